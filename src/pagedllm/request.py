@@ -1,0 +1,93 @@
+"""A request's state as it moves through the engine.
+
+Owns: the token lists, how many tokens already have K/V in the cache
+(`num_computed_tokens`), the status, the block table and the timings. Does not
+own: pages (the block manager hands them out) or tensors (the runner makes them).
+
+The one rule that drives scheduling: a request needs
+`num_tokens - num_computed_tokens` more tokens computed. After prefill that is 1
+(the token just sampled, whose K/V is written by the next step).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an EOS id, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    REJECTED = "rejected"  # could never fit; see Request.error
+    ABORT = "abort"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: int
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Ids that end generation unless ignore_eos (the model's EOS list).
+    eos_token_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    # What stopped it: the EOS/stop token id or the stop string.
+    stop_reason: int | str | None = None
+    error: str | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.output_token_ids.append(token_id)
+
+    def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.finish_time = time.perf_counter()
