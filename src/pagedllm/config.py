@@ -66,7 +66,9 @@ class ModelConfig:
             "head_dim",
         ):
             if getattr(self, name) <= 0:
-                raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+                raise ValueError(
+                    f"model config: {name} must be positive, got {getattr(self, name)}"
+                )
 
     @property
     def q_size(self) -> int:
@@ -102,7 +104,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(
-        cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None, source: str = "config"
+        cls,
+        cfg: dict[str, Any],
+        generation_config: dict[str, Any] | None = None,
+        source: str = "config",
     ) -> ModelConfig:
         archs = cfg.get("architectures") or []
         model_type = cfg.get("model_type")
@@ -125,7 +130,11 @@ class ModelConfig:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
             head_dim = cfg.get("head_dim") or hidden // heads
-            rope_scaling = _parse_rope_scaling(cfg.get("rope_scaling"), source)
+            # transformers >= 5 writes `rope_parameters` (with rope_theta inside);
+            # older files write `rope_scaling`. Accept both.
+            rope_scaling = _parse_rope_scaling(
+                cfg.get("rope_scaling") or cfg.get("rope_parameters"), source
+            )
             rope_theta = cfg.get("rope_theta")
             if rope_theta is None:  # transformers 5 moves theta into rope_parameters
                 rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
@@ -136,7 +145,14 @@ class ModelConfig:
                 eos = _merge_ids(eos, _id_list(generation_config.get("eos_token_id")))
                 if bos is None:
                     bos = generation_config.get("bos_token_id")
-                for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "do_sample"):
+                for key in (
+                    "temperature",
+                    "top_p",
+                    "top_k",
+                    "min_p",
+                    "repetition_penalty",
+                    "do_sample",
+                ):
                     if key in generation_config:
                         gen_defaults[key] = generation_config[key]
             return cls(
@@ -229,7 +245,7 @@ def _parse_rope_scaling(rs: dict[str, Any] | None, source: str) -> RopeScaling |
     if not rs:
         return None
     rope_type = rs.get("rope_type", rs.get("type"))
-    if rope_type == "default":
+    if rope_type in (None, "default"):
         return None
     if rope_type != "llama3":
         raise ValueError(

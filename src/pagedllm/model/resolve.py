@@ -39,7 +39,9 @@ def resolve_model_path(model: str | Path | None) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ValueError(f"{path} is a directory without config.json; expected an HF model directory")
+            raise ValueError(
+                f"{path} is a directory without config.json; expected an HF model directory"
+            )
         return path
     if path.is_file():
         if path.suffix.lower() != ".gguf":

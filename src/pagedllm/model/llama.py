@@ -1,0 +1,172 @@
+"""The Llama forward pass over a flat batch of tokens.
+
+Owns: the order of the ops of a Llama decoder (embedding, RMSNorm, fused QKV,
+RoPE, GQA attention over the paged cache, SwiGLU, LM head) and the fused
+weights it runs on. Does not own: how the batch was built (`runner/`), which
+kernel computes each op (`ops/` decides from the tensors' device), or sampling.
+
+Two entry points:
+- `forward(batch, kv_caches)` -> the final hidden states of the rows in
+  `batch.logits_indices`; `compute_logits` turns them into (N, V) logits.
+- `forward_logits(token_ids)` -> (T, V) float32 logits of one whole sequence
+  with no cache: the executable spec every faster path is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm import ops
+from pagedllm.config import ModelConfig
+from pagedllm.model.batch import ForwardBatch
+from pagedllm.ops.reference import rope_cos_sin_cache
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: (NB, BS, Hkv, D) each
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # (E,)
+    qkv_proj: torch.Tensor  # (H*D + 2*Hkv*D, E): q, k and v stacked at load time
+    o_proj: torch.Tensor  # (E, H*D)
+    post_norm: torch.Tensor  # (E,)
+    gate_up_proj: torch.Tensor  # (2*I, E): gate and up stacked at load time
+    down_proj: torch.Tensor  # (E, I)
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed_tokens: torch.Tensor,
+        layers: list[LayerWeights],
+        norm: torch.Tensor,
+        lm_head: torch.Tensor,
+    ) -> None:
+        self.config = config
+        self.embed_tokens = embed_tokens  # (V, E)
+        self.layers = layers
+        self.norm = norm  # (E,)
+        self.lm_head = lm_head  # (V, E); the same tensor as embed_tokens when tied
+        self.source_path = None  # the file or directory it was loaded from, if any
+        self.device = embed_tokens.device
+        self.dtype = embed_tokens.dtype
+        self.scale = config.head_dim**-0.5
+        self.cos_sin_cache = rope_cos_sin_cache(
+            config.head_dim,
+            config.rope_theta,
+            config.rope_scaling,
+            config.max_position_embeddings,
+            device=self.device,
+        )  # (P, D) float32
+
+    # ------------------------------------------------------------------
+    def forward(self, batch: ForwardBatch, kv_caches: list[KVCache] | None) -> torch.Tensor:
+        """Hidden states (N, E) after the final norm, for the rows batch.logits_indices."""
+        impl = ops.implementation(self.device)
+        cfg = self.config
+        num_tokens = batch.num_tokens
+        q_size, kv_size = cfg.q_size, cfg.kv_size
+
+        hidden = impl.embedding(batch.input_ids, self.embed_tokens)  # (T, E)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            # 1. Pre-attention norm; the residual add of the previous layer is fused in.
+            if residual is None:
+                residual = hidden
+                x = impl.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            else:
+                x, residual = impl.fused_add_rms_norm(
+                    hidden, residual, layer.input_norm, cfg.rms_norm_eps
+                )
+            # 2. One matmul for Q, K and V, then views into it.
+            qkv = F.linear(x, layer.qkv_proj)  # (T, (H + 2Hkv) D)
+            q = qkv[:, :q_size].view(num_tokens, -1, cfg.head_dim)  # (T, H, D)
+            k = qkv[:, q_size : q_size + kv_size].view(num_tokens, -1, cfg.head_dim)  # (T, Hkv, D)
+            v = qkv[:, q_size + kv_size :].view(num_tokens, -1, cfg.head_dim)  # (T, Hkv, D)
+            q, k = impl.apply_rope(q, k, batch.positions, self.cos_sin_cache)
+            # 3. Attention: write the new K/V into their slots, then read through pages.
+            attn = self._attention(impl, batch, q, k, v, kv_caches[i] if kv_caches else None)
+            hidden = F.linear(attn.view(num_tokens, q_size), layer.o_proj)  # (T, E)
+            # 4. MLP: norm (fused with the residual add), gate/up in one matmul, SwiGLU, down.
+            x, residual = impl.fused_add_rms_norm(
+                hidden, residual, layer.post_norm, cfg.rms_norm_eps
+            )
+            gate_up = F.linear(x, layer.gate_up_proj)  # (T, 2I)
+            hidden = F.linear(impl.silu_and_mul(gate_up), layer.down_proj)  # (T, E)
+
+        # 5. Only the rows whose logits are wanted go through the final norm and LM head.
+        idx = batch.logits_indices
+        out, _ = impl.fused_add_rms_norm(hidden[idx], residual[idx], self.norm, cfg.rms_norm_eps)
+        return out  # (N, E)
+
+    def _attention(
+        self,
+        impl,
+        batch: ForwardBatch,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache | None,
+    ) -> torch.Tensor:
+        if kv_cache is None:  # no cache: every sequence is attended to whole, from k and v
+            return impl.prefill_attention(
+                q, k, v, batch.cu_seqlens_q, batch.seq_lens, self.scale, max_q_len=batch.max_q_len
+            )
+        k_cache, v_cache = kv_cache
+        impl.store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
+        if batch.is_decode:
+            return impl.decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                batch.block_tables,
+                batch.seq_lens,
+                self.scale,
+                max_seq_len=batch.max_seq_len,
+            )
+        return impl.prefill_attention(
+            q,
+            k,
+            v,
+            batch.cu_seqlens_q,
+            batch.seq_lens,
+            self.scale,
+            k_cache,
+            v_cache,
+            batch.block_tables,
+            max_q_len=batch.max_q_len,
+        )
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, E) -> (N, V) float32."""
+        return F.linear(hidden, self.lm_head).float()
+
+    # ------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """The executable spec: (T, V) float32 logits of one sequence, no cache."""
+        if not token_ids:
+            raise ValueError("forward_logits needs at least one token")
+        t = len(token_ids)
+        if t > self.config.max_position_embeddings:
+            raise ValueError(
+                f"{t} tokens exceed the model's {self.config.max_position_embeddings} positions"
+            )
+        dev = self.device
+        batch = ForwardBatch(
+            input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev),
+            positions=torch.arange(t, dtype=torch.long, device=dev),
+            slot_mapping=None,
+            block_tables=None,
+            seq_lens=torch.tensor([t], dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32, device=dev),
+            logits_indices=torch.arange(t, dtype=torch.long, device=dev),
+            is_decode=False,
+            max_q_len=t,
+            max_seq_len=t,
+        )
+        return self.compute_logits(self.forward(batch, None))

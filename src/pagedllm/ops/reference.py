@@ -1,0 +1,231 @@
+"""Reference ops: the numerical spec of every kernel, in plain PyTorch.
+
+Owns: what each op computes. These run on the CPU (students without a GPU use
+them) and are what every Triton kernel in `ops/triton_*.py` is tested against.
+Does not own: speed, or which implementation runs (`ops/__init__.py` decides).
+
+Shape letters (everywhere): T tokens in the flat batch, B sequences, H query
+heads, Hkv KV heads, D head dim, NB pages, BS page size, V vocab, E hidden.
+Accumulation is float32 whatever the input dtype; outputs come back in the
+input dtype, as Hugging Face's Llama does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagedllm.config import RopeScaling
+
+# --------------------------------------------------------------------------
+# Embedding, norms, MLP activation
+# --------------------------------------------------------------------------
+
+
+def embedding(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(T,) int ids, (V, E) table -> (T, E)."""
+    return weight[input_ids]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight, computed in float32. (T, E) -> (T, E)."""
+    xf = x.float()
+    var = xf.pow(2).mean(dim=-1, keepdim=True)
+    # HF casts back to the input dtype before multiplying by the weight.
+    return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual = x + residual; return (rms_norm(residual), residual).
+
+    The residual stream is carried between layers so the add and the norm can
+    be one pass over memory in the Triton version.
+    """
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate: (T, 2I) laid out [gate | up] -> silu(gate) * up, (T, I)."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate.float()).to(x.dtype) * up
+
+
+# --------------------------------------------------------------------------
+# RoPE
+# --------------------------------------------------------------------------
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies (D/2,), float32, with Llama 3's frequency-dependent scaling.
+
+    Llama 3 leaves high frequencies (short wavelengths) alone, divides low
+    frequencies by `factor`, and blends linearly in between.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rope_cos_sin_cache(
+    head_dim: int, theta: float, scaling: RopeScaling | None, max_positions: int, device=None
+) -> torch.Tensor:
+    """(P, D) float32: [cos | sin] of position * inv_freq, each half D/2 wide."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
+    t = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)  # (P, D/2)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q (T, H, D) and k (T, Hkv, D) by their explicit positions (T,).
+
+    HF layout ("rotate half"): dimension i pairs with i + D/2. GGUF files store
+    Q/K permuted for llama.cpp's interleaved layout; the loader undoes that.
+    """
+    cos_sin = cos_sin_cache[positions]  # (T, D)
+    cos, sin = cos_sin.chunk(2, dim=-1)  # (T, D/2) each
+    cos = cos[:, None, :]
+    sin = sin[:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+# --------------------------------------------------------------------------
+# Paged KV cache and attention
+# --------------------------------------------------------------------------
+
+
+def store_kvcache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's K/V (T, Hkv, D) at its slot in the (NB, BS, Hkv, D) caches.
+
+    slot = page_id * BS + offset, so viewing the cache as (NB*BS, Hkv, D) makes
+    the slot a plain row index.
+    """
+    nb, bs, hkv, d = k_cache.shape
+    k_cache.view(nb * bs, hkv, d)[slot_mapping] = k.to(k_cache.dtype)
+    v_cache.view(nb * bs, hkv, d)[slot_mapping] = v.to(v_cache.dtype)
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n tokens of one sequence from its pages: (n, Hkv, D)."""
+    bs = cache.shape[1]
+    pages = block_table[: (n + bs - 1) // bs].long()
+    return cache[pages].flatten(0, 1)[:n]
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    block_tables: torch.Tensor | None = None,
+    max_q_len: int | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention over a packed batch of variable-length sequences.
+
+    q (T, H, D); k, v (T, Hkv, D): the new tokens, sequence b owning rows
+    cu_seqlens_q[b]:cu_seqlens_q[b+1]. seq_lens (B,) counts each sequence's
+    tokens *including* the new ones; the earlier seq_len - q_len tokens (a
+    prefix already in the cache) are read from the pages through block_tables.
+    New token i of a sequence sits at position seq_len - q_len + i and sees
+    every position up to its own. Returns (T, H, D). `max_q_len` is a host-side
+    hint for kernels that size their grid with it; the reference ignores it.
+    """
+    out = torch.empty_like(q)
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    group = num_heads // num_kv_heads
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for b in range(len(lens)):
+        start, end = cu[b], cu[b + 1]
+        q_len, seq_len = end - start, lens[b]
+        ctx_len = seq_len - q_len
+        kb, vb = k[start:end], v[start:end]
+        if ctx_len > 0:
+            assert k_cache is not None and v_cache is not None and block_tables is not None
+            kb = torch.cat([_gather_context(k_cache, block_tables[b], ctx_len).to(k.dtype), kb])
+            vb = torch.cat([_gather_context(v_cache, block_tables[b], ctx_len).to(v.dtype), vb])
+        qf = q[start:end].float().transpose(0, 1)  # (H, q_len, D)
+        kf = kb.float().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, seq_len, D)
+        vf = vb.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = (qf @ kf.transpose(1, 2)) * scale  # (H, q_len, seq_len)
+        q_pos = torch.arange(ctx_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = (probs @ vf).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """One new token per sequence attends to its whole context, read page by page.
+
+    q (B, H, D); caches (NB, BS, Hkv, D); block_tables (B, max_blocks);
+    seq_lens (B,) including the new token (already stored). Online softmax:
+    keep a running max m, denominator l and weighted sum acc per head and
+    rescale them as each page arrives, so no (H, seq_len) score row is ever
+    held. Returns (B, H, D). `max_seq_len` is a host-side hint (ignored here).
+    """
+    batch, num_heads, head_dim = q.shape
+    bs, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    lens = seq_lens.tolist()
+    for b in range(batch):
+        qb = q[b].float().view(num_kv_heads, group, head_dim)  # (Hkv, G, D)
+        m = torch.full((num_kv_heads, group), float("-inf"), device=q.device)
+        denom = torch.zeros((num_kv_heads, group), device=q.device)
+        acc = torch.zeros((num_kv_heads, group, head_dim), device=q.device)
+        for p in range((lens[b] + bs - 1) // bs):
+            page = int(block_tables[b, p])
+            n = min(bs, lens[b] - p * bs)  # valid tokens in this page
+            kp = k_cache[page, :n].float().transpose(0, 1)  # (Hkv, n, D)
+            vp = v_cache[page, :n].float().transpose(0, 1)
+            s = (qb @ kp.transpose(1, 2)) * scale  # (Hkv, G, n)
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            alpha = torch.exp(m - m_new)  # rescales what we had
+            pexp = torch.exp(s - m_new[..., None])
+            denom = denom * alpha + pexp.sum(dim=-1)
+            acc = acc * alpha[..., None] + pexp @ vp
+            m = m_new
+        out[b] = (acc / denom[..., None]).reshape(num_heads, head_dim).to(q.dtype)
+    return out

@@ -1,0 +1,633 @@
+"""GGUF files: a validating header parser, vectorised dequantizers, and Llama name mapping.
+
+Owns: reading a GGUF container (metadata key/values, tensor infos, tensor
+bytes), dequantizing the supported ggml types to a torch dtype, and turning a
+llama.cpp Llama checkpoint into a Hugging Face-named state dict (names mapped,
+Q/K row permutation undone). Does not own: building a `ModelConfig` from the
+metadata (`pagedllm.config`), the tokenizer, or writing GGUF.
+
+Why our own parser rather than `gguf.GGUFReader`: the reader builds one numpy
+view per string of the vocabulary (about 2 s for SmolLM2's 49k tokens and
+merges) and does not bound-check, so a truncated file fails deep inside numpy
+(IndexError, a reshape error) or loops on a corrupt count. The format is small:
+a magic, a version, two counts, key/values and tensor infos, then aligned data.
+We use the `gguf` package for its constants (type ids, block sizes) and, in the
+tests, `gguf.quants.dequantize` as the oracle.
+
+Invariants, checked on open (any violation is a `ValueError` naming the file):
+- magic `GGUF`, version 2 or 3, little-endian;
+- every count and length is read against the bytes left, before looping or
+  allocating, so no corrupt number can cause a hang or a huge allocation;
+- every tensor has a known ggml type, a first dimension divisible by the
+  type's block size, an offset aligned to `general.alignment`, and its bytes
+  lie inside the file without overlapping another tensor's.
+Types we cannot dequantize are listed by `tensor_info` and refused by name
+when loaded.
+
+Shapes: GGUF lists dimensions fastest-first (`ne[0]` is the row length), so
+a weight listed `[in, out]` is the torch `(out, in)` matrix. Everything this
+module returns uses torch order.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import struct
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # GGML_MAX_DIMS in ggml.h
+MAX_ARRAY_NESTING = 8  # arrays of arrays are legal; deeper than this is corruption
+
+Q = GGMLQuantizationType
+
+# ----- dequantizers ---------------------------------------------------------------------------
+#
+# Each takes `blocks`, a (N, type_size) uint8 tensor of N ggml blocks, and
+# returns (N, block_size) float32 on the same device. They follow ggml-quants.c
+# (and gguf-py's numpy port) operation by operation, so results are bitwise
+# equal to `gguf.quants.dequantize`.
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The float16 at byte `start` of every block, as (N, 1) float32."""
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+
+
+def _shifts(values: list[int], shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.uint8, device=device).view(shape)
+
+
+def _nibbles(qs: torch.Tensor, groups: int) -> torch.Tensor:
+    """(N, groups*W) packed bytes -> (N, groups, 2, W): low nibbles, then high, per group."""
+    n = qs.shape[0]
+    qs = qs.reshape(n, groups, 1, -1)
+    return (qs >> _shifts([0, 4], (1, 1, 2, 1), qs.device)) & 0x0F
+
+
+def _deq_q8_0(b: torch.Tensor) -> torch.Tensor:
+    # block: f16 d | 32 x int8 q ; x = d * q
+    d = _f16(b, 0)  # (N, 1)
+    q = b[:, 2:].contiguous().view(torch.int8).float()  # (N, 32)
+    return q * d
+
+
+def _deq_q4_0(b: torch.Tensor) -> torch.Tensor:
+    # block: f16 d | 16 bytes of nibbles (elements 0-15 low, 16-31 high) ; x = d * (q - 8)
+    d = _f16(b, 0)
+    q = _nibbles(b[:, 2:], 1).reshape(b.shape[0], 32).float() - 8.0
+    return d * q
+
+
+def _deq_q4_1(b: torch.Tensor) -> torch.Tensor:
+    # block: f16 d | f16 m | 16 bytes of nibbles ; x = d * q + m
+    d, m = _f16(b, 0), _f16(b, 2)
+    q = _nibbles(b[:, 4:], 1).reshape(b.shape[0], 32).float()
+    return d * q + m
+
+
+def _k_scales_mins(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K: 8 sub-block scales and mins, 6 bits each, packed into 12 bytes at offset 4.
+
+    Byte layout (ggml's get_scale_min_k4): bytes 0-3 hold scales 0-3 (low 6 bits)
+    and the top 2 bits of scales 4-7; bytes 4-7 the same for mins; bytes 8-11
+    the low 4 bits of scales 4-7 (low nibble) and mins 4-7 (high nibble).
+    Returns (N, 8, 1) float32 each: d * scale and dmin * min.
+    """
+    n = b.shape[0]
+    packed = b[:, 4:16].reshape(n, 3, 4)
+    sc_lo, mn_lo, hi = packed[:, 0], packed[:, 1], packed[:, 2]  # (N, 4) each
+    scales = torch.cat([sc_lo & 0x3F, (hi & 0x0F) | ((sc_lo >> 2) & 0x30)], dim=1)  # (N, 8)
+    mins = torch.cat([mn_lo & 0x3F, (hi >> 4) | ((mn_lo >> 2) & 0x30)], dim=1)  # (N, 8)
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    return (d * scales.float()).view(n, 8, 1), (dmin * mins.float()).view(n, 8, 1)
+
+
+def _deq_q4_k(b: torch.Tensor) -> torch.Tensor:
+    # block (256): f16 d | f16 dmin | 12 bytes scales/mins | 128 bytes nibbles
+    # 8 sub-blocks of 32: x = d*scale_j * q - dmin*min_j
+    n = b.shape[0]
+    scale, minus = _k_scales_mins(b)
+    q = _nibbles(b[:, 16:], 4).reshape(n, 8, 32).float()
+    return (scale * q - minus).reshape(n, 256)
+
+
+def _deq_q5_k(b: torch.Tensor) -> torch.Tensor:
+    # block (256): f16 d | f16 dmin | 12 bytes scales/mins | 32 bytes high bits | 128 bytes nibbles
+    n = b.shape[0]
+    scale, minus = _k_scales_mins(b)
+    low = _nibbles(b[:, 48:], 4).reshape(n, 8, 32)
+    # bit j of qh[i] is the fifth bit of element i of sub-block j
+    qh = b[:, 16:48].reshape(n, 1, 1, 32)
+    high = ((qh >> _shifts(list(range(8)), (1, 1, 8, 1), b.device)) & 1).reshape(n, 8, 32)
+    q = (low | (high << 4)).float()
+    return (scale * q - minus).reshape(n, 256)
+
+
+def _deq_q6_k(b: torch.Tensor) -> torch.Tensor:
+    # block (256): 128 bytes low nibbles | 64 bytes 2-bit highs | 16 x int8 scales | f16 d
+    # 16 sub-blocks of 16: x = d * scale_j * (q - 32)
+    n = b.shape[0]
+    low = _nibbles(b[:, :128], 2).reshape(n, 8, 32)
+    qh = b[:, 128:192].reshape(n, 2, 1, 32)
+    high = ((qh >> _shifts([0, 2, 4, 6], (1, 1, 4, 1), b.device)) & 0x03).reshape(n, 8, 32)
+    q = ((low | (high << 4)).float() - 32.0).reshape(n, 16, 16)
+    scales = b[:, 192:208].contiguous().view(torch.int8).float()  # (N, 16)
+    d = (_f16(b, 208) * scales).view(n, 16, 1)
+    return (d * q).reshape(n, 256)
+
+
+_DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
+    Q.Q8_0: _deq_q8_0,
+    Q.Q4_0: _deq_q4_0,
+    Q.Q4_1: _deq_q4_1,
+    Q.Q4_K: _deq_q4_k,
+    Q.Q5_K: _deq_q5_k,
+    Q.Q6_K: _deq_q6_k,
+}
+_FLOAT_TYPES: dict[GGMLQuantizationType, torch.dtype] = {
+    Q.F32: torch.float32,
+    Q.F16: torch.float16,
+    Q.BF16: torch.bfloat16,
+}
+SUPPORTED_TYPES: tuple[str, ...] = tuple(t.name for t in (*_FLOAT_TYPES, *_DEQUANTIZERS))
+
+# Elements per dequantization chunk: bounds the float32 temporaries (~16 MB each)
+# so a 128k x 8k embedding does not need several full-size intermediates.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType, dtype: torch.dtype) -> torch.Tensor:
+    """Raw ggml bytes (1-D uint8) -> a flat tensor of `dtype`, on `raw`'s device.
+
+    Always returns new memory, never a view of `raw`.
+    """
+    if qtype in _FLOAT_TYPES:
+        return raw.view(_FLOAT_TYPES[qtype]).to(dtype=dtype, copy=True)
+    if qtype not in _DEQUANTIZERS:
+        raise ValueError(
+            f"ggml type {qtype.name} is not supported (supported: {', '.join(SUPPORTED_TYPES)})"
+        )
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = raw.view(-1, type_size)  # (N, type_size)
+    fn = _DEQUANTIZERS[qtype]
+    chunk = max(1, _CHUNK_ELEMENTS // block_size)
+    if blocks.shape[0] <= chunk:
+        return fn(blocks).to(dtype).reshape(-1)
+    out = torch.empty((blocks.shape[0], block_size), dtype=dtype, device=raw.device)
+    for i in range(0, blocks.shape[0], chunk):
+        out[i : i + chunk] = fn(blocks[i : i + chunk])
+    return out.reshape(-1)
+
+
+# ----- the container --------------------------------------------------------------------------
+
+# value type -> (struct format, numpy dtype) for the fixed-size scalars
+_SCALARS: dict[int, tuple[struct.Struct, np.dtype]] = {
+    GGUFValueType.UINT8: (struct.Struct("<B"), np.dtype("<u1")),
+    GGUFValueType.INT8: (struct.Struct("<b"), np.dtype("<i1")),
+    GGUFValueType.UINT16: (struct.Struct("<H"), np.dtype("<u2")),
+    GGUFValueType.INT16: (struct.Struct("<h"), np.dtype("<i2")),
+    GGUFValueType.UINT32: (struct.Struct("<I"), np.dtype("<u4")),
+    GGUFValueType.INT32: (struct.Struct("<i"), np.dtype("<i4")),
+    GGUFValueType.FLOAT32: (struct.Struct("<f"), np.dtype("<f4")),
+    GGUFValueType.BOOL: (struct.Struct("<B"), np.dtype("<u1")),  # any non-zero byte is true
+    GGUFValueType.UINT64: (struct.Struct("<Q"), np.dtype("<u8")),
+    GGUFValueType.INT64: (struct.Struct("<q"), np.dtype("<i8")),
+    GGUFValueType.FLOAT64: (struct.Struct("<d"), np.dtype("<f8")),
+}
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """Where one tensor lives and what it is. `shape` is in torch order (slowest first)."""
+
+    name: str
+    type_name: str  # ggml type, e.g. "Q4_K"
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def ggml_type(self) -> GGMLQuantizationType:
+        return GGMLQuantizationType[self.type_name]
+
+    @property
+    def supported(self) -> bool:
+        return self.type_name in SUPPORTED_TYPES
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads from a buffer; every overrun is a ValueError."""
+
+    def __init__(self, buf: Any, size: int, fail: Callable[[str], NoReturn]):
+        self.buf, self.size, self.pos, self.fail = buf, size, 0, fail
+
+    def take(self, n: int, what: str) -> int:
+        """Claim `n` bytes; returns where they start."""
+        if n > self.size - self.pos:
+            self.fail(
+                f"truncated: {what} needs {n} bytes at offset {self.pos}, file is {self.size}"
+            )
+        start = self.pos
+        self.pos += n
+        return start
+
+    def u32(self, what: str) -> int:
+        return _U32.unpack_from(self.buf, self.take(4, what))[0]
+
+    def u64(self, what: str) -> int:
+        return _U64.unpack_from(self.buf, self.take(8, what))[0]
+
+    def string(self, what: str) -> str:
+        n = self.u64(what)
+        start = self.take(n, what)
+        return self._decode(self.buf[start : start + n], what)
+
+    def _decode(self, raw: bytes, what: str) -> str:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            self.fail(f"{what} is not valid UTF-8 ({e})")
+
+    def string_array(self, count: int, what: str) -> list[str]:
+        """`count` strings, decoded in one tight loop (128k-token vocabularies take ~0.1 s)."""
+        if count * 8 > self.size - self.pos:
+            self.fail(f"truncated: {what} claims {count} strings, more than the bytes left")
+        buf, size, pos, unpack = self.buf, self.size, self.pos, _U64.unpack_from
+        out: list[str] = []
+        append = out.append
+        for _ in range(count):
+            if pos + 8 > size:
+                self.fail(f"truncated inside {what}")
+            (n,) = unpack(buf, pos)
+            pos += 8
+            if n > size - pos:
+                self.fail(f"truncated inside {what}: a string of {n} bytes at offset {pos}")
+            append(self._decode(buf[pos : pos + n], what))
+            pos += n
+        self.pos = pos
+        return out
+
+    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
+        """One metadata value of type `vtype`, as plain Python (lists for arrays)."""
+        if vtype in _SCALARS:
+            fmt, _ = _SCALARS[vtype]
+            (v,) = fmt.unpack_from(self.buf, self.take(fmt.size, what))
+            return bool(v) if vtype == GGUFValueType.BOOL else v
+        if vtype == GGUFValueType.STRING:
+            return self.string(what)
+        if vtype != GGUFValueType.ARRAY:
+            self.fail(f"{what} has unknown value type id {vtype}")
+        if depth >= MAX_ARRAY_NESTING:
+            self.fail(f"{what}: arrays nested more than {MAX_ARRAY_NESTING} deep")
+        itype = self.u32(what)
+        count = self.u64(what)
+        if itype in _SCALARS:
+            _, dt = _SCALARS[itype]
+            start = self.take(count * dt.itemsize, what)  # checks count against the bytes left
+            arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=start)
+            return (arr != 0).tolist() if itype == GGUFValueType.BOOL else arr.tolist()
+        if itype == GGUFValueType.STRING:
+            return self.string_array(count, what)
+        if itype == GGUFValueType.ARRAY:
+            # each inner array is at least 12 bytes (type + count): bounds the loop
+            if count * 12 > self.size - self.pos:
+                self.fail(f"truncated: {what} claims {count} arrays, more than the bytes left")
+            return [self.value(itype, what, depth + 1) for _ in range(count)]
+        self.fail(f"{what} is an array of unknown value type id {itype}")
+
+
+class GGUFFile:
+    """A validated, memory-mapped GGUF file.
+
+    `metadata` holds every key/value as plain Python (str, int, float, bool,
+    lists of those); `tensor_names` lists tensors in file order;
+    `load_tensor(name)` dequantizes one.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self._mmap: mmap.mmap | None = None
+        try:
+            with open(self.path, "rb") as f:
+                self.file_size = os.fstat(f.fileno()).st_size
+                if self.file_size < 24:
+                    self._fail(f"file is {self.file_size} bytes, too short for a GGUF header")
+                # Copy-on-write so torch gets writable buffers; nothing is ever written back.
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except OSError as e:
+            raise ValueError(f"{self.path}: cannot read GGUF file: {e}") from e
+        try:
+            self._parse(_Cursor(self._mmap, self.file_size, self._fail))
+        except ValueError:
+            self.close()
+            raise
+        except Exception as e:
+            # Safety net: every read above is bounds-checked, but a corrupt file must
+            # still surface as the one exception type callers handle.
+            self.close()
+            raise ValueError(f"{self.path}: invalid GGUF file: {type(e).__name__}: {e}") from e
+
+    def _fail(self, defect: str) -> NoReturn:
+        raise ValueError(f"{self.path}: invalid GGUF file: {defect}")
+
+    def _parse(self, cur: _Cursor) -> None:
+        # 1. magic, version, counts
+        magic = bytes(cur.buf[:4])
+        if magic != GGUF_MAGIC:
+            self._fail(f"bad magic {magic!r} (expected {GGUF_MAGIC!r}): not a GGUF file")
+        cur.take(4, "magic")
+        version = cur.u32("version")
+        if version & 0xFFFF == 0 and version != 0:
+            self._fail("big-endian GGUF files are not supported")
+        if version not in SUPPORTED_VERSIONS:
+            self._fail(f"unsupported GGUF version {version} (supported: {SUPPORTED_VERSIONS})")
+        self.version = version
+        n_tensors = cur.u64("tensor count")
+        n_kv = cur.u64("key/value count")
+        # Each key/value needs >= 13 bytes and each tensor info >= 24: a count that
+        # cannot fit is corruption, reported before we loop on it.
+        if n_kv * 13 + n_tensors * 24 > self.file_size - cur.pos:
+            self._fail(
+                f"truncated or corrupt: {n_kv} key/values and {n_tensors} tensors cannot fit "
+                f"in the {self.file_size - cur.pos} bytes left"
+            )
+
+        # 2. key/values
+        self.metadata: dict[str, Any] = {}
+        for i in range(n_kv):
+            key = cur.string(f"key #{i}")
+            if key in self.metadata:
+                self._fail(f"duplicate metadata key {key!r}")
+            vtype = cur.u32(f"type of {key!r}")
+            self.metadata[key] = cur.value(vtype, f"metadata {key!r}")
+
+        alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if (
+            not isinstance(alignment, int)
+            or isinstance(alignment, bool)
+            or alignment <= 0
+            or alignment & (alignment - 1)
+        ):
+            self._fail(f"general.alignment {alignment!r} is not a positive power of two")
+
+        # 3. tensor infos (offsets are relative to the aligned start of the data)
+        infos: list[tuple[str, tuple[int, ...], GGMLQuantizationType, int]] = []
+        for i in range(n_tensors):
+            name = cur.string(f"name of tensor #{i}")
+            n_dims = cur.u32(f"tensor {name!r} n_dims")
+            if n_dims > MAX_DIMS:
+                self._fail(f"tensor {name!r} has {n_dims} dimensions (at most {MAX_DIMS})")
+            ne = tuple(cur.u64(f"tensor {name!r} dims") for _ in range(n_dims))
+            type_id = cur.u32(f"tensor {name!r} type")
+            rel_offset = cur.u64(f"tensor {name!r} offset")
+            try:
+                qtype = GGMLQuantizationType(type_id)
+            except ValueError:
+                self._fail(f"tensor {name!r} has unknown ggml type id {type_id}")
+            infos.append((name, ne, qtype, rel_offset))
+        data_start = -(-cur.pos // alignment) * alignment
+
+        # 4. where each tensor's bytes are; all inside the file, none overlapping
+        self._tensors: dict[str, GGUFTensorInfo] = {}
+        for name, ne, qtype, rel_offset in infos:
+            self._tensors[name] = self._check_tensor(
+                name, ne, qtype, rel_offset, data_start, alignment
+            )
+        # Empty tensors own no bytes; sorted by start, any overlap shows up between neighbours.
+        spans = sorted(
+            (t.offset, t.offset + t.nbytes, t.name) for t in self._tensors.values() if t.nbytes
+        )
+        for (_, prev_end, prev), (begin, _, name) in zip(spans, spans[1:]):
+            if begin < prev_end:
+                self._fail(f"tensors {prev!r} and {name!r} overlap")
+        self.data_offset = data_start
+        self.alignment = alignment
+
+    def _check_tensor(
+        self,
+        name: str,
+        ne: tuple[int, ...],
+        qtype: GGMLQuantizationType,
+        rel_offset: int,
+        data_start: int,
+        alignment: int,
+    ) -> GGUFTensorInfo:
+        if name in self._tensors:
+            self._fail(f"duplicate tensor name {name!r}")
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        row = ne[0] if ne else 1
+        if row % block_size != 0:
+            self._fail(
+                f"tensor {name!r}: row length {row} is not a multiple of the "
+                f"{qtype.name} block size {block_size}"
+            )
+        if rel_offset % alignment != 0:
+            self._fail(f"tensor {name!r}: offset {rel_offset} is not aligned to {alignment}")
+        nbytes = math.prod(ne) // block_size * type_size
+        start = data_start + rel_offset
+        if start + nbytes > self.file_size:
+            self._fail(
+                f"tensor {name!r} ({qtype.name} {list(reversed(ne))}) needs bytes "
+                f"[{start}, {start + nbytes}) but the file ends at {self.file_size}: "
+                "the file is truncated or its tensor table is corrupt"
+            )
+        shape = tuple(reversed(ne))  # torch order: GGUF lists the fastest dimension first
+        return GGUFTensorInfo(name, qtype.name, shape, start, nbytes)
+
+    # ----- access --------------------------------------------------------------------------
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def tensor_info(self, name: str) -> GGUFTensorInfo:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise KeyError(f"{self.path}: no tensor named {name!r}") from None
+
+    def raw_bytes(self, name: str) -> torch.Tensor:
+        """A zero-copy (nbytes,) uint8 view of a tensor's bytes in the file."""
+        info = self.tensor_info(name)
+        if self._mmap is None:
+            raise ValueError(f"{self.path}: file is closed")
+        if info.nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        # numpy holds the buffer export, so the mapping cannot be closed under the view.
+        array = np.frombuffer(self._mmap, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        return torch.from_numpy(array)
+
+    def load_tensor(
+        self,
+        name: str,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> torch.Tensor:
+        """Tensor `name` dequantized to `dtype` on `device`, in torch shape order.
+
+        The quantized bytes move to `device` first, so on a GPU the
+        dequantization runs there. Unsupported types raise ValueError by name.
+        """
+        info = self.tensor_info(name)
+        if not info.supported:
+            raise ValueError(
+                f"{self.path}: tensor {name!r} has ggml type {info.type_name}, which is not "
+                f"supported (supported: {', '.join(SUPPORTED_TYPES)})"
+            )
+        raw = self.raw_bytes(name).to(device)
+        return dequantize(raw, info.ggml_type, dtype).reshape(info.shape)
+
+    def close(self) -> None:
+        """Release the mapping; pages still viewed by live tensors stay until they die."""
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # a raw_bytes() view is alive; it unmaps when collected
+            self._mmap = None
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"GGUFFile({str(self.path)!r}, v{self.version}, {len(self._tensors)} tensors)"
+
+
+# ----- Llama: GGUF names -> Hugging Face names ------------------------------------------------
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Present in llama.cpp's Llama 3 files but not weights: the llama3 RoPE frequency
+# factors, which we recompute from the rope-scaling metadata (see pagedllm.config).
+IGNORED_TENSORS = frozenset({"rope_freqs.weight"})
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face Llama name of a llama.cpp tensor name, or None if unknown."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)  # blk, i, rest
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's row permutation of a Q or K weight (convert_hf_to_gguf `permute`).
+
+    llama.cpp interleaves each head's rows for its rotate-adjacent-pairs RoPE:
+    HF rows (h, half a, j) sit at GGUF row (h, j, a). We read the (rows, cols)
+    GGUF matrix as (n_head, D/2, 2, cols) and swap the middle axes back.
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head) != 0:
+        raise ValueError(f"cannot un-permute {tuple(w.shape)} over {n_head} heads")
+    half = rows // n_head // 2  # D/2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _head_count(metadata: dict[str, Any], key: str, path: Path) -> int:
+    value = metadata.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{path}: metadata {key!r} is {value!r}, expected a positive integer")
+    return value
+
+
+def load_gguf_state_dict(
+    path: str | os.PathLike[str],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    strict: bool = True,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Metadata and Hugging Face-named, dequantized tensors of a llama.cpp Llama GGUF.
+
+    Q and K weights are un-permuted (Q over `llama.attention.head_count`
+    heads, K over `llama.attention.head_count_kv`), so the result is what
+    `LlamaForCausalLM.state_dict()` holds. `lm_head.weight` appears only when
+    the file has `output.weight` (otherwise the embeddings are tied).
+    `rope_freqs.weight` is ignored: we compute llama3 RoPE scaling from the
+    metadata. Any other unknown tensor is an error (`strict=True`, the default:
+    a weight we would drop silently is a wrong model) or skipped with a warning
+    naming it (`strict=False`).
+    """
+    with GGUFFile(path) as g:
+        meta = g.metadata
+        arch = meta.get("general.architecture")
+        if arch != "llama":
+            raise ValueError(
+                f"{g.path}: architecture {arch!r} is not supported (supported: 'llama')"
+            )
+        n_head = _head_count(meta, "llama.attention.head_count", g.path)
+        n_kv_head = (
+            _head_count(meta, "llama.attention.head_count_kv", g.path)
+            if "llama.attention.head_count_kv" in meta
+            else n_head
+        )
+
+        # 1. name map and type check for every tensor before any dequantization,
+        #    so a bad file fails in milliseconds rather than half-way through.
+        plan: dict[str, str] = {}
+        unknown: list[str] = []
+        for name in g.tensor_names:
+            if name in IGNORED_TENSORS:
+                continue
+            target = hf_name(name)
+            if target is None:
+                unknown.append(name)
+                continue
+            info = g.tensor_info(name)
+            if not info.supported:
+                raise ValueError(
+                    f"{g.path}: tensor {name!r} has ggml type {info.type_name}, which is not "
+                    f"supported (supported: {', '.join(SUPPORTED_TYPES)})"
+                )
+            plan[name] = target
+        if unknown:
+            message = f"{g.path}: {len(unknown)} tensors have no Llama mapping: {unknown[:5]}"
+            if strict:
+                raise ValueError(message + " (pass strict=False to skip them)")
+            warnings.warn(message + "; skipped", stacklevel=2)
+
+        # 2. dequantize (on `device`), then un-permute Q and K
+        tensors: dict[str, torch.Tensor] = {}
+        for name, target in plan.items():
+            t = g.load_tensor(name, dtype=dtype, device=device)
+            if name.endswith(".attn_q.weight"):
+                t = unpermute_qk(t, n_head)
+            elif name.endswith(".attn_k.weight"):
+                t = unpermute_qk(t, n_kv_head)
+            tensors[target] = t
+    return meta, tensors

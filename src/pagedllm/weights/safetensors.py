@@ -1,0 +1,357 @@
+"""Our own safetensors reader: one file, a sharded directory, or a Hugging Face model folder.
+
+Owns: parsing and validating the safetensors container (8-byte little-endian
+header length, a JSON header, raw little-endian tensor bytes), memory-mapping
+it, and handing out tensors; following `model.safetensors.index.json` across
+shards. Does not own: what the names mean (the model maps them), GGUF
+(`weights/gguf.py`), or writing files. The `safetensors` package is used only
+by the tests, as the oracle.
+
+Invariants, checked before any tensor is touched:
+- the header length is at most `MAX_HEADER_BYTES` and fits inside the file;
+- the header is a JSON object; `__metadata__`, when present, maps str -> str;
+- every tensor has a supported dtype (BF16, F16, F32), a shape of
+  non-negative ints, and `data_offsets = [begin, end]` with
+  `0 <= begin <= end <= data size` and `end - begin == numel * itemsize`;
+- no two non-empty tensors share a byte (gaps between tensors are allowed).
+Any violation raises `ValueError` naming the file and the defect; nothing is
+allocated in proportion to a number read from the file before it is checked
+against the file's real size.
+
+Memory: the file is mapped copy-on-write (`ACCESS_COPY`), so tensors are
+zero-copy, writable views whose writes never reach the disk. A view keeps
+the mapping alive (numpy holds the buffer export), so `close()` never pulls
+the pages out from under a live tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+from pathlib import Path
+from typing import Any, NoReturn
+
+import numpy as np
+import torch
+
+# A real header is a few hundred KB even for 400B-parameter checkpoints; the
+# bound stops a corrupt length field from making us read or allocate gigabytes.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# safetensors dtype name -> (torch dtype, numpy dtype with the same bit pattern).
+# numpy has no bfloat16, so BF16 bytes go through int16 and are re-viewed in torch.
+_DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
+    "BF16": (torch.bfloat16, np.dtype("<i2")),
+    "F16": (torch.float16, np.dtype("<f2")),
+    "F32": (torch.float32, np.dtype("<f4")),
+}
+# Known to the format but not to us: named in the error so the user knows why.
+_KNOWN_UNSUPPORTED = (
+    "BOOL U8 I8 U16 I16 U32 I32 U64 I64 F64 F8_E4M3 F8_E5M2 F8_E8M0 F6_E2M3 F6_E3M2 F4 C64"
+).split()
+SUPPORTED_DTYPES = tuple(_DTYPES)
+
+
+def _is_int(x: Any) -> bool:
+    # JSON `true` parses to a Python bool, which is an int subclass: refuse it.
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json object hook: a repeated key would silently shadow a tensor, so refuse it."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r} in the JSON header")
+        out[key] = value
+    return out
+
+
+class _TensorEntry:
+    """One validated header entry: where the bytes are and how to view them."""
+
+    __slots__ = ("name", "dtype_name", "shape", "begin", "end")
+
+    def __init__(self, name: str, dtype_name: str, shape: tuple[int, ...], begin: int, end: int):
+        self.name = name
+        self.dtype_name = dtype_name
+        self.shape = shape
+        self.begin = begin  # offsets relative to the start of the data area
+        self.end = end
+
+
+class SafetensorsFile:
+    """A validated, memory-mapped safetensors file.
+
+    `get_tensor(name)` returns a zero-copy CPU view in the file's dtype; copy it
+    (`.to(device, dtype, copy=True)`) before closing if it must outlive the file
+    object (a view keeps the mapping alive, so this is about memory, not safety).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self._mmap: mmap.mmap | None = None
+        try:
+            with open(self.path, "rb") as f:
+                file_size = os.fstat(f.fileno()).st_size
+                header_len = self._read_header_len(f, file_size)
+                header_bytes = f.read(header_len)
+                if len(header_bytes) != header_len:
+                    # The file shrank between fstat and read.
+                    self._fail(f"header truncated ({len(header_bytes)} of {header_len} bytes)")
+                self._data_start = 8 + header_len
+                data_size = file_size - self._data_start
+                self.metadata, self._entries = self._parse_header(header_bytes, data_size)
+                # mmap refuses empty mappings; a file with an empty data area needs none.
+                if file_size > 0 and any(e.end > e.begin for e in self._entries.values()):
+                    self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except OSError as e:
+            # Missing file, permission, a directory: still a ValueError naming the file,
+            # so callers have one exception type to handle.
+            raise ValueError(f"{self.path}: cannot read safetensors file: {e}") from e
+
+    # ----- parsing -------------------------------------------------------------------------
+
+    def _fail(self, defect: str) -> NoReturn:
+        raise ValueError(f"{self.path}: malformed safetensors file: {defect}")
+
+    def _read_header_len(self, f: Any, file_size: int) -> int:
+        if file_size < 8:
+            self._fail(f"file is {file_size} bytes, too short for the 8-byte header length")
+        header_len = int.from_bytes(f.read(8), "little")
+        if header_len > MAX_HEADER_BYTES:
+            self._fail(f"header length {header_len} exceeds the limit of {MAX_HEADER_BYTES} bytes")
+        if header_len > file_size - 8:
+            self._fail(
+                f"header length {header_len} runs past the end of the file "
+                f"({file_size - 8} bytes after the length field)"
+            )
+        return header_len
+
+    def _parse_header(
+        self, header_bytes: bytes, data_size: int
+    ) -> tuple[dict[str, str], dict[str, _TensorEntry]]:
+        try:
+            text = header_bytes.decode("utf-8")
+            header = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+        except (UnicodeDecodeError, ValueError) as e:
+            self._fail(f"header is not valid JSON: {e}")
+        except RecursionError:
+            # json recurses per nesting level: `[[[[...` would otherwise escape as RecursionError.
+            self._fail("header JSON is nested too deeply")
+        if not isinstance(header, dict):
+            self._fail(f"header is a JSON {type(header).__name__}, expected an object")
+
+        metadata = header.pop("__metadata__", None)
+        if metadata is None:
+            metadata = {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            self._fail("__metadata__ must be an object mapping strings to strings")
+
+        entries = {name: self._parse_entry(name, info, data_size) for name, info in header.items()}
+        self._check_no_overlap(entries)
+        return metadata, entries
+
+    def _parse_entry(self, name: str, info: Any, data_size: int) -> _TensorEntry:
+        if not isinstance(info, dict):
+            self._fail(f"tensor {name!r}: entry is a {type(info).__name__}, expected an object")
+        for key in ("dtype", "shape", "data_offsets"):
+            if key not in info:
+                self._fail(f"tensor {name!r}: missing {key!r}")
+        dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+
+        if not isinstance(dtype_name, str):
+            self._fail(f"tensor {name!r}: dtype {dtype_name!r} is not a string")
+        if dtype_name not in _DTYPES:
+            kind = "unsupported" if dtype_name in _KNOWN_UNSUPPORTED else "unknown"
+            self._fail(
+                f"tensor {name!r}: {kind} dtype {dtype_name!r} "
+                f"(supported: {', '.join(SUPPORTED_DTYPES)})"
+            )
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            self._fail(f"tensor {name!r}: shape {shape!r} is not a list of non-negative ints")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(_is_int(o) for o in offsets)
+        ):
+            self._fail(f"tensor {name!r}: data_offsets {offsets!r} is not a pair of ints")
+        begin, end = offsets
+        if not 0 <= begin <= end <= data_size:
+            self._fail(
+                f"tensor {name!r}: data_offsets [{begin}, {end}] outside the data area "
+                f"of {data_size} bytes (or begin > end)"
+            )
+        # math.prod on Python ints cannot overflow; a silly shape just fails the span check.
+        expected = math.prod(shape) * _DTYPES[dtype_name][1].itemsize
+        if end - begin != expected:
+            self._fail(
+                f"tensor {name!r}: data_offsets span {end - begin} bytes but "
+                f"{dtype_name} x {shape} needs {expected}"
+            )
+        return _TensorEntry(name, dtype_name, tuple(shape), begin, end)
+
+    def _check_no_overlap(self, entries: dict[str, _TensorEntry]) -> None:
+        # Empty tensors own no bytes, so they may sit anywhere inside the data area.
+        spans = sorted((e.begin, e.end, e.name) for e in entries.values() if e.end > e.begin)
+        for (_, prev_end, prev_name), (begin, _, name) in zip(spans, spans[1:]):
+            if begin < prev_end:
+                self._fail(f"tensors {prev_name!r} and {name!r} overlap")
+
+    # ----- access --------------------------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        """Tensor names in header order (which is the writer's order, not sorted)."""
+        return list(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def _entry(self, name: str) -> _TensorEntry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise KeyError(f"{self.path}: no tensor named {name!r}") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name).shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _DTYPES[self._entry(name).dtype_name][0]
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """A zero-copy CPU view of tensor `name`, in the file's dtype and shape."""
+        entry = self._entry(name)
+        torch_dtype, np_dtype = _DTYPES[entry.dtype_name]
+        numel = math.prod(entry.shape)
+        if numel == 0:
+            # No bytes to map (and np.frombuffer of zero items at the end of a buffer is fussy).
+            return torch.empty(entry.shape, dtype=torch_dtype)
+        if self._mmap is None:
+            raise ValueError(f"{self.path}: file is closed")
+        offset = self._data_start + entry.begin
+        array = np.frombuffer(self._mmap, dtype=np_dtype, count=numel, offset=offset)
+        if offset % np_dtype.itemsize != 0:
+            # Writers pad the header so data is aligned; a file that is not gets one
+            # copy rather than misaligned loads in vectorised kernels.
+            array = array.copy()
+        # from_numpy keeps `array` (and through it the buffer export) alive.
+        tensor = torch.from_numpy(array).view(torch_dtype)  # (numel,)
+        return tensor.reshape(entry.shape)
+
+    def close(self) -> None:
+        """Release the mapping; pages still viewed by live tensors stay until they die."""
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                # A tensor still views the mapping: dropping our reference lets the
+                # last view unmap it when it is garbage-collected.
+                pass
+            self._mmap = None
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SafetensorsFile({str(self.path)!r}, {len(self._entries)} tensors)"
+
+
+# ----- directories and shards -------------------------------------------------------------
+
+
+def _read_index(index_path: Path) -> dict[str, str]:
+    """weight_map of a sharded checkpoint's index: tensor name -> shard file name."""
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ValueError(f"{index_path}: cannot read the shard index: {e}") from e
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise ValueError(f"{index_path}: 'weight_map' must be an object mapping strings to strings")
+    for shard in set(weight_map.values()):
+        # Shards live next to the index; a path would let an index reach anywhere on disk.
+        if Path(shard).name != shard or shard in (".", ".."):
+            raise ValueError(f"{index_path}: shard name {shard!r} is not a plain file name")
+        if not (index_path.parent / shard).is_file():
+            raise ValueError(f"{index_path}: shard {shard!r} listed in weight_map does not exist")
+    return weight_map
+
+
+def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The files that make up a checkpoint: a `.safetensors` file, or a directory's shards.
+
+    A directory is read through `model.safetensors.index.json` when present,
+    else its single `model.safetensors`.
+    """
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such safetensors file or directory")
+    if (path / INDEX_FILE).is_file():
+        weight_map = _read_index(path / INDEX_FILE)
+        return [path / shard for shard in sorted(set(weight_map.values()))]
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    raise ValueError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
+
+
+def load_safetensors_dir(
+    path: str | os.PathLike[str],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, under its name in the file (Hugging Face names).
+
+    `path` is a directory (sharded through its index, or holding
+    `model.safetensors`) or a single `.safetensors` file. Each tensor is
+    copied once, from the mapping straight to `device` and `dtype` (None keeps
+    the file's dtype), so the result never refers to the mapped file.
+    """
+    path = Path(path)
+    weight_map: dict[str, str] | None = None
+    if path.is_dir() and (path / INDEX_FILE).is_file():
+        weight_map = _read_index(path / INDEX_FILE)
+    out: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(path):
+        with SafetensorsFile(file) as st:
+            for name in st.keys():
+                if weight_map is not None and weight_map.get(name) != file.name:
+                    where = weight_map.get(name)
+                    said = f"the index puts it in {where!r}" if where else "the index omits it"
+                    raise ValueError(f"{file}: holds tensor {name!r} but {said}")
+                if name in out:
+                    raise ValueError(f"{file}: tensor {name!r} also appears in another shard")
+                view = st.get_tensor(name)
+                out[name] = view.to(
+                    device=device, dtype=view.dtype if dtype is None else dtype, copy=True
+                )
+    if weight_map is not None:
+        missing = sorted(set(weight_map) - set(out))
+        if missing:
+            first = missing[0]
+            raise ValueError(
+                f"{path / INDEX_FILE}: tensor {first!r} is not in {weight_map[first]!r}, where "
+                f"the index puts it ({len(missing)} listed tensors missing in all)"
+            )
+    return out
+
+
+def load_hf_state_dict(
+    path: str | os.PathLike[str],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
+    """The state dict of a Hugging Face checkpoint: a directory or one `model.safetensors`."""
+    return load_safetensors_dir(path, device=device, dtype=dtype)

