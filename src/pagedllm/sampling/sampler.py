@@ -1,0 +1,409 @@
+"""Batched sampling: one step's logits (B, V) -> one token id per request (B,).
+
+Owns: applying each request's own parameters to its row of logits, in one pass
+over the batch, on whatever device the logits live (the same code on CPU and
+CUDA). Does not own: which requests run (scheduler), the logits (model),
+stopping (`stop.py`), or the lifetime of seeded requests' generators (the
+engine keeps one per seeded request, made by `make_generator`, for the whole
+request).
+
+Order, per row, as vLLM v1's `Sampler`:
+
+  0. log-probs, when any request asks: `log_softmax` of the *raw* logits, before
+     any processing (vLLM's default `logprobs_mode="raw_logprobs"`);
+  1. min_tokens: EOS and `stop_token_ids` get -inf while the request has fewer
+     than `min_tokens` outputs;
+  2. penalties, on the logits as they are (no temperature yet):
+       repetition (HF / CTRL), tokens seen in prompt or output: l > 0 -> l / r, else l * r
+       frequency, presence (OpenAI), over output tokens only:
+           l -= frequency * count;  l -= presence * (count > 0)
+  3. greedy rows (temperature < 1e-5, or top_k == 1): argmax here, exactly;
+  4. temperature: l / T;
+  5. min_p: drop tokens whose probability is below min_p * (the top probability);
+  6. top_k, then top_p over the renormalised survivors (the smallest set of the
+     most likely tokens whose mass reaches p; the token that crosses p stays);
+  7. sample by the exponential race: argmax_i(p_i / E_i), E_i ~ Exp(1) iid, which
+     picks i with probability p_i. A seeded row draws its E from its own
+     generator, so its tokens do not depend on the rest of the batch; the
+     unseeded rows share one draw.
+
+No host sync: metadata tensors are built from host lists (one copy per field,
+through pinned memory on CUDA) and nothing here calls `.item()` or `.tolist()`.
+The caller syncs once when it reads the sampled ids.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.request import Request
+
+NEG_INF = float("-inf")
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """The generator of a seeded request (None when unseeded); keep it for the request's life."""
+    if seed is None:
+        return None
+    g = torch.Generator(device=torch.device(device))
+    g.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)  # negative seeds wrap, as in numpy
+    return g
+
+
+def _pinned_to(t: Tensor, device: torch.device) -> Tensor:
+    """One host-to-device copy, from pinned memory so it does not block the host."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return _pinned_to(torch.tensor(values, dtype=dtype), device)
+
+
+def _flat_index(rows: Sequence[int], token_lists: Sequence[Sequence[int]], vocab_size: int) -> list:
+    """row * V + token for every token of every listed row: one flat list."""
+    return [r * vocab_size + t for r, toks in zip(rows, token_lists) for t in toks]
+
+
+def _token_counts(
+    token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> Tensor:
+    """(B, V) float32: how often each token occurs in each row's list."""
+    B = len(token_lists)
+    counts = torch.zeros(B * vocab_size, dtype=torch.float32, device=device)
+    # Flatten on the host in C (chain into an int64 array), no Python loop per token;
+    # the per-token arithmetic runs on the device.
+    flat_ids = array.array("q", chain.from_iterable(token_lists))
+    N = len(flat_ids)
+    if N == 0:
+        return counts.view(B, vocab_size)
+    ids = _pinned_to(torch.frombuffer(flat_ids, dtype=torch.int64), device)  # (N,)
+    lens = _to_device([len(t) for t in token_lists], torch.int64, device)  # (B,)
+    rows = torch.arange(B, device=device).repeat_interleave(lens, output_size=N)  # (N,)
+    # Adding 1.0s is exact in float32, so the order of the (atomic) adds cannot matter.
+    counts.scatter_add_(0, rows * vocab_size + ids, torch.ones(N, device=device))
+    return counts.view(B, vocab_size)
+
+
+@dataclass
+class LogprobsTensors:
+    """Log-probs of N rows: the chosen token's and the top K. Tensors on the logits' device."""
+
+    token_ids: Tensor  # (N,) int64: the sampled (or given) token
+    token_logprobs: Tensor  # (N,) float32: its log-prob
+    token_ranks: Tensor  # (N,) int64: tokens at least as likely, itself included (vLLM rank)
+    topk_ids: Tensor  # (N, K) int64, most likely first
+    topk_logprobs: Tensor  # (N, K) float32
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: Tensor  # (B,) int64
+    # Set when any request asked for logprobs; K = the largest `logprobs` in the
+    # batch: request i reads topk_*[i, : params.logprobs].
+    logprobs: LogprobsTensors | None = None
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step, per-request sampling inputs as tensors (B rows, in batch order).
+
+    A field is None when no row needs it, so each step pays only for what its
+    requests use. Build with `from_params` (or `from_requests`) once per step.
+    """
+
+    num_reqs: int
+    all_greedy: bool  # fast path: one argmax
+    all_random: bool  # no greedy row: skip the argmax and the where
+    greedy_mask: Tensor | None  # (B,) bool; None when all_greedy or all_random
+    temperature: Tensor | None  # (B,) float32, greedy rows 1.0; None when all_greedy
+    top_k: Tensor | None  # (B,) int64 in [0, V], 0 = off; None when every row is off
+    max_top_k: int  # max(top_k) on the host, so torch.topk needs no sync
+    top_p: Tensor | None  # (B,) float32; None when every row is 1.0
+    min_p: Tensor | None  # (B,) float32; None when every row is 0.0
+    # Penalties: None when every row has the neutral value.
+    repetition_penalties: Tensor | None  # (B,) float32
+    frequency_penalties: Tensor | None  # (B,) float32
+    presence_penalties: Tensor | None  # (B,) float32
+    output_token_counts: Tensor | None  # (B, V) float32; set when any penalty is
+    prompt_token_mask: Tensor | None  # (B, V) bool; set when any repetition penalty is
+    # row * V + token for each (row, EOS / stop id) that min_tokens still forbids.
+    min_tokens_index: Tensor | None  # (M,) int64
+    max_num_logprobs: int | None  # None: no request asked
+    # Batch row -> generator of a seeded, sampled (not greedy) request.
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.output_token_counts is None
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        output_token_ids: Sequence[Sequence[int]],
+        prompt_token_ids: Sequence[Sequence[int]],
+        vocab_size: int,
+        device: torch.device | str,
+        generators: Sequence[torch.Generator | None] | None = None,
+        eos_token_ids: Sequence[Collection[int]] | None = None,
+    ) -> SamplingMetadata:
+        """Build one step's metadata; all lists are in batch-row order.
+
+        output_token_ids / prompt_token_ids: each request's tokens so far (read
+            only when a penalty or min_tokens needs them).
+        generators: row i's persistent generator (`make_generator(seed, device)`);
+            required for every seeded row.
+        eos_token_ids: row i's EOS ids, forbidden (with `stop_token_ids`) while
+            min_tokens is not reached; None = no EOS ids known.
+        Unresolved params (fields None) are read with vLLM's defaults.
+        """
+        device = torch.device(device)
+        B, V = len(params), vocab_size
+        params = [p if p.is_resolved else p.resolved() for p in params]
+        greedy = [p.greedy for p in params]
+        all_greedy, all_random = all(greedy), not any(greedy)
+        sampled = [not g for g in greedy]
+
+        def per_row(values: list, neutral: float | int, dtype: torch.dtype) -> Tensor | None:
+            # Greedy rows take the neutral value: their result is the argmax anyway.
+            values = [v if s else neutral for v, s in zip(values, sampled)]
+            if all(v == neutral for v in values):
+                return None
+            return _to_device(values, dtype, device)
+
+        # 1. Sampling (greedy rows are neutral everywhere).
+        temperature = greedy_mask = top_k = top_p = min_p = None
+        max_top_k = 0
+        if not all_greedy:
+            temps = [p.temperature if s else 1.0 for p, s in zip(params, sampled)]
+            temperature = _to_device(temps, torch.float32, device)
+            ks = [min(p.top_k, V) if s else 0 for p, s in zip(params, sampled)]
+            max_top_k = max(ks)
+            top_k = _to_device(ks, torch.int64, device) if max_top_k > 0 else None
+            top_p = per_row([p.top_p for p in params], 1.0, torch.float32)
+            min_p = per_row([p.min_p for p in params], 0.0, torch.float32)
+            if not all_random:
+                greedy_mask = _to_device(greedy, torch.bool, device)
+
+        # 2. Penalties (they apply to greedy rows too, as in vLLM).
+        rep = [p.repetition_penalty for p in params]
+        freq = [p.frequency_penalty for p in params]
+        pres = [p.presence_penalty for p in params]
+        any_rep = any(r != 1.0 for r in rep)
+        any_penalty = any_rep or any(f != 0.0 for f in freq) or any(p != 0.0 for p in pres)
+        counts = prompt_mask = None
+        if any_penalty:
+            counts = _token_counts(output_token_ids, V, device)
+        if any_rep:
+            prompt_mask = _token_counts(prompt_token_ids, V, device) > 0
+
+        def penalty(values: list, neutral: float) -> Tensor | None:
+            if all(v == neutral for v in values):
+                return None
+            return _to_device(values, torch.float32, device)
+
+        # 3. min_tokens: which (row, id) pairs are still forbidden.
+        rows, banned = [], []
+        for i, p in enumerate(params):
+            if len(output_token_ids[i]) < p.min_tokens:
+                ids = set(p.stop_token_ids)
+                if eos_token_ids is not None and not p.ignore_eos:
+                    ids |= set(eos_token_ids[i])
+                rows.append(i)
+                banned.append(sorted(t for t in ids if t < V))
+        flat_banned = _flat_index(rows, banned, V)
+        min_tokens_index = _to_device(flat_banned, torch.int64, device) if flat_banned else None
+
+        # 4. Seeded rows: their own generator (greedy rows draw nothing).
+        gens: dict[int, torch.Generator] = {}
+        for i, p in enumerate(params):
+            g = None if generators is None else generators[i]
+            if p.seed is not None and g is None:
+                raise ValueError(
+                    f"row {i} has seed={p.seed} but no generator; keep one per request "
+                    "from make_generator(seed, device) and pass it every step"
+                )
+            if g is not None and sampled[i]:
+                gens[i] = g
+
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            num_reqs=B,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            greedy_mask=greedy_mask,
+            temperature=temperature,
+            top_k=top_k,
+            max_top_k=max_top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalties=penalty(rep, 1.0),
+            frequency_penalties=penalty(freq, 0.0),
+            presence_penalties=penalty(pres, 0.0),
+            output_token_counts=counts,
+            prompt_token_mask=prompt_mask,
+            min_tokens_index=min_tokens_index,
+            max_num_logprobs=max(asked) if asked else None,
+            generators=gens,
+        )
+
+    @classmethod
+    def from_requests(
+        cls,
+        requests: Sequence[Request],
+        vocab_size: int,
+        device: torch.device | str,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> SamplingMetadata:
+        """`from_params` reading params, tokens and EOS ids from `Request`s."""
+        return cls.from_params(
+            [r.sampling_params for r in requests],
+            [r.output_token_ids for r in requests],
+            [r.prompt_token_ids for r in requests],
+            vocab_size,
+            device,
+            generators,
+            [r.eos_token_ids for r in requests],
+        )
+
+
+# --------------------------------------------------------------- the steps
+# Each takes and returns (B, V) float32 logits, out of place: the caller's
+# logits are never modified.
+
+
+def apply_penalties(
+    logits: Tensor,
+    output_token_counts: Tensor,
+    prompt_token_mask: Tensor | None,
+    repetition_penalties: Tensor | None,
+    frequency_penalties: Tensor | None,
+    presence_penalties: Tensor | None,
+) -> Tensor:
+    """Repetition (prompt + output), then frequency and presence (output only)."""
+    if repetition_penalties is not None:
+        seen = output_token_counts > 0  # (B, V)
+        if prompt_token_mask is not None:
+            seen = seen | prompt_token_mask
+        r = repetition_penalties[:, None]  # (B, 1)
+        penalised = torch.where(logits > 0, logits / r, logits * r)
+        logits = torch.where(seen, penalised, logits)
+    if frequency_penalties is not None:
+        logits = logits - frequency_penalties[:, None] * output_token_counts
+    if presence_penalties is not None:
+        logits = logits - presence_penalties[:, None] * (output_token_counts > 0)
+    return logits
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    probs = logits.softmax(dim=-1)  # (B, V)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]  # (B, 1)
+    return logits.masked_fill(probs < threshold, NEG_INF)
+
+
+def apply_top_k_only(logits: Tensor, top_k: Tensor, max_top_k: int) -> Tensor:
+    """Top-k without a full sort: torch.topk of the largest k in the batch. 0 = off."""
+    values = logits.topk(max_top_k, dim=-1).values  # (B, max_top_k), descending
+    kth = values.gather(1, (top_k.clamp(min=1) - 1)[:, None])  # (B, 1)
+    kth = kth.masked_fill((top_k == 0)[:, None], NEG_INF)
+    return logits.masked_fill(logits < kth, NEG_INF)  # ties with the k-th stay
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
+    """Top-k then top-p on one ascending sort of each row (vLLM's reference path)."""
+    V = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1)  # (B, V) ascending
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, V)  # (B,)
+        kth = sorted_logits.gather(1, (V - k)[:, None])  # (B, 1)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, NEG_INF)
+    if top_p is not None:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # mass of this token and all below
+        drop = cum <= (1.0 - top_p)[:, None]  # the tokens above hold >= p without it
+        drop[:, -1] = False  # the most likely token always stays
+        sorted_logits = sorted_logits.masked_fill(drop, NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def random_sample(probs: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
+    """Exponential race: argmax(p / E), E ~ Exp(1). Overwrites `probs`. (B, V) -> (B,)."""
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_()  # one draw for all the unseeded rows
+    for i, g in generators.items():
+        q[i].exponential_(generator=g)  # V draws from the row's own stream, every step
+    # E == 0 would turn a masked token's 0 / 0 into NaN, which argmax picks.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def compute_logprobs(logits: Tensor, num_logprobs: int, token_ids: Tensor) -> LogprobsTensors:
+    """Log-probs of `token_ids` and the top `num_logprobs` of each row of `logits`.
+
+    logits: (N, V); token_ids: (N,) int64. For prompt_logprobs, pass the prefill
+    logits of prompt positions 0..P-2 and token_ids = prompt[1:] (position j
+    predicts token j + 1); the first prompt token has no log-prob.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (N, V)
+    topk_logprobs, topk_ids = logprobs.topk(num_logprobs, dim=-1)  # (N, K)
+    token_logprobs = logprobs.gather(1, token_ids[:, None]).squeeze(1)  # (N,)
+    ranks = (logprobs >= token_logprobs[:, None]).sum(dim=-1)  # vLLM's rank
+    return LogprobsTensors(token_ids, token_logprobs, ranks, topk_ids, topk_logprobs)
+
+
+class Sampler:
+    """logits (B, V) + SamplingMetadata -> SamplerOutput. Stateless."""
+
+    def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        raw_logits = logits
+        logits = logits.float()  # (B, V); never modified in place below
+        B, V = logits.shape
+        # 1. min_tokens: EOS / stop ids are not allowed yet.
+        if meta.min_tokens_index is not None:
+            logits = logits.reshape(-1).index_fill(0, meta.min_tokens_index, NEG_INF).view(B, V)
+        # 2. Penalties.
+        if not meta.no_penalties:
+            logits = apply_penalties(
+                logits,
+                meta.output_token_counts,
+                meta.prompt_token_mask,
+                meta.repetition_penalties,
+                meta.frequency_penalties,
+                meta.presence_penalties,
+            )
+        # 3-7. Greedy and/or random.
+        sampled = self.sample(logits, meta)
+        # 0. Log-probs of the raw logits (vLLM's default), gathered at the sampled ids.
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            logprobs = compute_logprobs(raw_logits, meta.max_num_logprobs, sampled)
+        return SamplerOutput(sampled, logprobs)
+
+    @staticmethod
+    def sample(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+        greedy = None if meta.all_random else logits.argmax(dim=-1)  # (B,)
+        if meta.all_greedy:
+            return greedy
+        logits = logits / meta.temperature[:, None]
+        if meta.min_p is not None:
+            logits = apply_min_p(logits, meta.min_p)
+        if meta.top_p is not None:
+            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        elif meta.top_k is not None:
+            logits = apply_top_k_only(logits, meta.top_k, meta.max_top_k)
+        random = random_sample(logits.softmax(dim=-1), meta.generators)
+        if greedy is None:
+            return random
+        return torch.where(meta.greedy_mask, greedy, random)
