@@ -1,0 +1,129 @@
+"""CUDA graphs for decode steps, one per batch-size bucket, captured at start-up.
+
+Owns: the static input buffers the graphs read, their capture, and filling
+them each step. Does not own: the model (captured as it is) or prefill
+(which runs eagerly: its shapes vary too much to graph).
+
+Why: a decode step of a 1B model launches ~150 kernels; on this machine's
+host, launching them one by one costs more than the GPU takes to run them at
+small batch. A graph replays them all with one launch.
+
+Invariants: a batch of B sequences runs in the smallest bucket >= B; the
+padding rows have seq_len 0 and slot -1, which the Triton kernels treat as
+"nothing to attend to / nothing to store". The block-table buffer is as wide
+as `max_model_len / block_size` rounded up; only the columns the current
+batch uses are refreshed each step (the rest are never read).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedllm.model.batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from pagedllm.request import Request
+    from pagedllm.runner.model_runner import ModelRunner
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to max_num_seqs (vLLM's scheme)."""
+    sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
+    if not sizes or sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        model = runner.model
+        dev = runner.device
+        self.max_bs = runner.max_num_seqs
+        self.buckets = batch_buckets(self.max_bs)
+        width = runner.max_blocks_per_seq
+        n = self.max_bs
+        # Device buffers the graphs read (their addresses are baked into the graphs).
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros((n, width), dtype=torch.int32, device=dev)
+        self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.logits_indices = torch.arange(n, dtype=torch.long, device=dev)
+        # Pinned host staging: [ids | positions | slots] as int64, [seq_lens] int32.
+        self.h_long = torch.zeros((3, n), dtype=torch.long).pin_memory()
+        self.h_int = torch.zeros(n, dtype=torch.int32).pin_memory()
+        self.h_tables = torch.zeros((n, width), dtype=torch.int32).pin_memory()
+        self.d_long = torch.zeros((3, n), dtype=torch.long, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._capture(model)
+
+    def _batch(self, b: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.d_long[0, :b],
+            positions=self.d_long[1, :b],
+            slot_mapping=self.d_long[2, :b],
+            block_tables=self.block_tables[:b],
+            seq_lens=self.seq_lens[:b],
+            cu_seqlens_q=self.cu_seqlens[: b + 1],
+            logits_indices=self.logits_indices[:b],
+            is_decode=True,
+            max_q_len=1,
+            # The graph must be valid for any context up to the longest allowed.
+            max_seq_len=self.runner.max_model_len,
+        )
+
+    @torch.inference_mode()
+    def _capture(self, model) -> None:
+        kv = self.runner.kv_caches
+        self.d_long[2].fill_(-1)  # padding: store nothing
+        self.seq_lens.fill_(1)
+        # Warm up every bucket eagerly first: Triton compiles on first launch.
+        for b in self.buckets:
+            model.compute_logits(model.forward(self._batch(b), kv))
+        torch.cuda.synchronize()
+        pool = None
+        for b in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = model.compute_logits(model.forward(self._batch(b), kv))
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[b] = graph
+            self.outputs[b] = out
+        torch.cuda.synchronize()
+        self.seq_lens.zero_()
+
+    def can_run(self, num_seqs: int) -> bool:
+        return num_seqs <= self.max_bs
+
+    def run(self, scheduled: list[Request]) -> torch.Tensor:
+        """Fill the buffers from the requests and replay; returns (B, V) logits."""
+        b = len(scheduled)
+        bucket = next(x for x in self.buckets if x >= b)
+        bs = self.runner.block_size
+        h = self.h_long.numpy()
+        hi = self.h_int.numpy()
+        ht = self.h_tables.numpy()
+        width = 0
+        for i, req in enumerate(scheduled):
+            pos = req.num_tokens - 1  # the last sampled token is the one computed now
+            table = req.block_table
+            h[0, i] = req.last_token_id
+            h[1, i] = pos
+            h[2, i] = table[pos // bs] * bs + pos % bs
+            hi[i] = pos + 1
+            nb = len(table)
+            ht[i, :nb] = table
+            width = max(width, nb)
+        h[2, b:bucket] = -1
+        hi[b:bucket] = 0
+        self.d_long[:, :bucket].copy_(self.h_long[:, :bucket], non_blocking=True)
+        self.seq_lens[:bucket].copy_(self.h_int[:bucket], non_blocking=True)
+        self.block_tables[:b, :width].copy_(self.h_tables[:b, :width], non_blocking=True)
+        self.graphs[bucket].replay()
+        return self.outputs[bucket][:b]
