@@ -1,14 +1,18 @@
 """Shared test set-up.
 
-TRITON_INTERPRET must be set before triton is first imported in the process,
-so that the Triton kernels run on the CPU in CI (see tests/test_triton_ops.py).
+Without a GPU, TRITON_INTERPRET must be set before triton is first imported
+in the process, so that the Triton kernels run on the CPU in CI (see
+tests/test_triton_ops.py). On a GPU machine the kernels are compiled.
 """
 
 import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch  # importing torch does not import triton
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402

@@ -208,24 +208,28 @@ def decode_attention(
     batch, num_heads, head_dim = q.shape
     bs, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
-    lens = seq_lens.tolist()
-    for b in range(batch):
-        qb = q[b].float().view(num_kv_heads, group, head_dim)  # (Hkv, G, D)
-        m = torch.full((num_kv_heads, group), float("-inf"), device=q.device)
-        denom = torch.zeros((num_kv_heads, group), device=q.device)
-        acc = torch.zeros((num_kv_heads, group, head_dim), device=q.device)
-        for p in range((lens[b] + bs - 1) // bs):
-            page = int(block_tables[b, p])
-            n = min(bs, lens[b] - p * bs)  # valid tokens in this page
-            kp = k_cache[page, :n].float().transpose(0, 1)  # (Hkv, n, D)
-            vp = v_cache[page, :n].float().transpose(0, 1)
-            s = (qb @ kp.transpose(1, 2)) * scale  # (Hkv, G, n)
-            m_new = torch.maximum(m, s.amax(dim=-1))
-            alpha = torch.exp(m - m_new)  # rescales what we had
-            pexp = torch.exp(s - m_new[..., None])
-            denom = denom * alpha + pexp.sum(dim=-1)
-            acc = acc * alpha[..., None] + pexp @ vp
-            m = m_new
-        out[b] = (acc / denom[..., None]).reshape(num_heads, head_dim).to(q.dtype)
-    return out
+    max_pages = -(-int(seq_lens.max()) // bs) if batch else 0
+    qf = q.float().view(batch, num_kv_heads, group, head_dim)  # (B, Hkv, G, D)
+    m = torch.full((batch, num_kv_heads, group), float("-inf"), device=q.device)
+    denom = torch.zeros((batch, num_kv_heads, group), device=q.device)
+    acc = torch.zeros((batch, num_kv_heads, group, head_dim), device=q.device)
+    lens = seq_lens.long()[:, None]  # (B, 1)
+    offsets = torch.arange(bs, device=q.device)[None, :]  # (1, BS)
+    # All sequences advance together, page index p at a time.
+    for p in range(max_pages):
+        pages = block_tables[:, p].long()  # (B,)
+        kp = k_cache[pages].float().permute(0, 2, 1, 3)  # (B, Hkv, BS, D)
+        vp = v_cache[pages].float().permute(0, 2, 1, 3)
+        s = (qf @ kp.transpose(-1, -2)) * scale  # (B, Hkv, G, BS)
+        valid = (p * bs + offsets) < lens  # (B, BS): tokens of this page inside the sequence
+        s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        # A sequence with nothing seen yet keeps m = -inf; use 0 as its baseline.
+        base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        alpha = torch.exp(m - base)  # rescales what we had
+        pexp = torch.exp(s - base[..., None])
+        denom = denom * alpha + pexp.sum(dim=-1)
+        acc = acc * alpha[..., None] + pexp @ vp
+        m = m_new
+    out = acc / denom.clamp_min(1e-30)[..., None]  # seq_len 0 rows come out as zeros
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)

@@ -1,0 +1,505 @@
+"""Triton attention kernels: paged decode (flash-decoding) and packed causal prefill.
+
+Owns: the two attention kernels and the host-side choices around them (block
+sizes, warps, how many KV splits). Does not own: the numerics, which are
+`reference.decode_attention` and `reference.prefill_attention`; the tests
+compare the two.
+
+Layouts: q (T or B, H, D) and the new k, v (T, Hkv, D) may be strided views of a
+fused QKV output (row stride != H*D), but their last dim must be contiguous.
+Caches are (NB, BS, Hkv, D); token i of a sequence lives at page
+`block_table[i // BS]`, row `i % BS`. Block-table entries past a sequence's
+pages are never dereferenced (the loads are masked), so padding can hold
+anything.
+
+Decode is CUDA-graph safe: the grid and every host-side choice depend only on
+host ints (shapes and the optional `max_seq_len` hint); each program reads its
+sequence's length from `seq_lens` on the device. A sequence with seq_len 0 (a
+padding row of a captured batch) gets zeros.
+
+All scores use exp2 with `scale * log2(e)` folded into one multiply; the
+running max, denominator and accumulator are float32.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.ops import triton_interpret_fix  # noqa: F401  (CPU interpreter + NumPy 2.4)
+
+LOG2E = 1.4426950408889634
+
+# Decode: the G query heads that share a KV head are padded up to 16 rows, the
+# smallest M of a tensor-core dot; keys arrive BLOCK_N tokens (several pages) a
+# time, BLOCK_N chosen so one K tile is 16 KB (128 tokens at D=64 in bf16).
+# Measured on the H200 (B=64/256, ctx 512/2048, D=64, bf16): 16 KB tiles, 4
+# warps, 3 stages reach 3.8-4.2 TB/s; 8 KB tiles ran 5-10 % slower, 8 warps
+# 10-20 % slower. Split-KV kicks in only when B * Hkv programs leave SMs idle.
+DECODE_TILE_BYTES = 16384
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 3
+MIN_TOKENS_PER_SPLIT = 128  # below this a split costs more than it hides
+MAX_SPLITS = 64
+
+
+def _decode_block_n(head_dim: int, dtype: torch.dtype) -> int:
+    return max(16, DECODE_TILE_BYTES // (head_dim * dtype.itemsize))
+
+
+def _prefill_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for prefill.
+
+    16-bit inputs: flash-attention's usual Hopper tiles, all wgmma, no spills
+    by `ptxas -v` for sm_90a. At D=64, 64 x 64 tiles with 4 warps measured
+    fastest on the H200 (1x1024: 22 us, 8x512: 41 us; 128 x 64 with 8 warps
+    took 25 and 48 us): more programs for short prompts. At D=128, 128 x 64
+    with 8 warps (128 KB of shared memory). float32 inputs run exact ("ieee")
+    dots on FMA units, so small tiles keep them in registers; that path exists
+    for correctness, not speed.
+    """
+    if dtype == torch.float32:
+        return 64, 32, 4, 2
+    if head_dim <= 64:
+        return 64, 64, 4, 3
+    return 128, 64, 8, 3
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs would otherwise go through tf32 on the GPU (10-bit mantissa).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # an H200; only used to pick splits under the interpreter
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
+    """How many KV splits per (sequence, KV head): a pure function of host ints.
+
+    Enough programs for about two per SM, but no split shorter than
+    MIN_TOKENS_PER_SPLIT tokens of the longest possible context.
+    """
+    programs = batch * num_kv_heads
+    if programs >= num_sms:
+        return 1
+    want = triton.cdiv(2 * num_sms, programs)
+    cap = max(1, triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT))
+    return max(1, min(want, cap, MAX_SPLITS))
+
+
+# --------------------------------------------------------------------------
+# Decode
+# --------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,  # (B, H, D)
+    k_cache_ptr,  # (NB, BS, Hkv, D)
+    v_cache_ptr,
+    block_tables_ptr,  # (B, max_blocks) int32
+    seq_lens_ptr,  # (B,)
+    out_ptr,  # (B, H, D) when not SPLIT
+    part_o_ptr,  # (B, H, S, D) float32 when SPLIT
+    part_lse_ptr,  # (B, H, S) float32 when SPLIT, log2 domain
+    qk_scale,  # scale * log2(e)
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_kc_nb,
+    stride_kc_bs,
+    stride_kc_h,
+    stride_vc_nb,
+    stride_vc_bs,
+    stride_vc_h,
+    stride_bt_b,
+    stride_ob,
+    stride_oh,
+    G: tl.constexpr,  # query heads per KV head
+    BLOCK_G: tl.constexpr,  # G padded to >= 16
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < G
+    heads = kvh * G + offs_g  # (BLOCK_G,) query heads of this KV head
+
+    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # (BLOCK_G, D)
+
+    # This program's token range [start, end): each sequence's own length is cut
+    # into num_splits equal (BLOCK_N-aligned) parts, so the split is graph-safe and
+    # a split past the end simply runs no iterations.
+    if SPLIT:
+        per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+    else:
+        start = 0
+        end = seq_len
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt_b
+    k_head = k_cache_ptr + kvh * stride_kc_h
+    v_head = v_cache_ptr + kvh * stride_vc_h
+
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + offs_n  # (BLOCK_N,) token positions
+        n_mask = n < end
+        page = tl.load(bt_row + n // BS, mask=n_mask, other=0).to(tl.int64)
+        row = n % BS
+        k_off = page * stride_kc_nb + row * stride_kc_bs
+        k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_G, BLOCK_N)
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)  # rescales what we had; 0 on the first tile
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v_off = page * stride_vc_nb + row * stride_vc_bs
+        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+
+    # An empty range (seq_len 0, or a split past the end) leaves l_i == 0: write
+    # zeros and an lse of -inf so it weighs nothing in the reduction.
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if SPLIT:
+        bh = b.to(tl.int64) * (G * tl.num_programs(1)) + heads  # flat (b, h) index
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        tl.store(part_lse_ptr + bh * num_splits + split, lse, mask=g_mask)
+        o_ptrs = part_o_ptr + ((bh * num_splits + split) * D)[:, None] + offs_d[None, :]
+        tl.store(o_ptrs, o, mask=g_mask[:, None])
+    else:
+        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_o_ptr,  # (B, H, S, D) float32
+    part_lse_ptr,  # (B, H, S) float32, log2 domain
+    out_ptr,  # (B, H, D)
+    num_splits,
+    stride_ob,
+    stride_oh,
+    D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    bh = b.to(tl.int64) * tl.num_programs(1) + h
+    offs_d = tl.arange(0, D)
+
+    m = tl.full([1], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([D], dtype=tl.float32)
+    for s in range(num_splits):
+        lse = tl.load(part_lse_ptr + bh * num_splits + s + tl.zeros([1], dtype=tl.int32))
+        o = tl.load(part_o_ptr + (bh * num_splits + s) * D + offs_d)
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse - m_safe)
+        acc = acc * alpha + w * o
+        l = l * alpha + w
+        m = m_new
+    o = acc / tl.where(l == 0.0, 1.0, l)  # seq_len 0: every split empty -> zeros
+    tl.store(
+        out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+        o.to(out_ptr.dtype.element_ty),
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Paged decode attention; see `reference.decode_attention`. Returns (B, H, D).
+
+    One program per (sequence, KV head, split) computes all G = H/Hkv query
+    heads of that KV head with one (G padded to 16) x D by D x BLOCK_N dot per
+    tile. `max_seq_len` (host int, optional) bounds every seq_len and only
+    steers how many splits to use; without it the block-table width does.
+    `num_splits` forces the split count (tests). Nothing here reads a device
+    value on the host, so the call can be captured in a CUDA graph.
+    """
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    if num_splits is None:
+        bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+        num_splits = num_decode_splits(batch, num_kv_heads, bound, _num_sms(q.device))
+    split = num_splits > 1
+    if split:
+        part_o = torch.empty(
+            (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_o,
+        part_lse,
+        scale * LOG2E,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        G=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        D=head_dim,
+        BS=block_size,
+        BLOCK_N=_decode_block_n(head_dim, k_cache.dtype),
+        SPLIT=split,
+        PREC=_dot_precision(q.dtype),
+        num_warps=DECODE_NUM_WARPS,
+        num_stages=DECODE_NUM_STAGES,
+    )
+    if split:
+        _decode_reduce_kernel[(batch, num_heads)](
+            part_o, part_lse, out, num_splits, out.stride(0), out.stride(1), D=head_dim, num_warps=1
+        )
+    return out
+
+
+# --------------------------------------------------------------------------
+# Prefill
+# --------------------------------------------------------------------------
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, PREC: tl.constexpr):
+    """Fold one tile of (already scaled, masked) scores s (M, N) and values v (N, D) in."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # (T, H, D)
+    k_ptr,  # (T, Hkv, D) new tokens
+    v_ptr,
+    k_cache_ptr,  # (NB, BS, Hkv, D), only read when HAS_CACHE
+    v_cache_ptr,
+    block_tables_ptr,  # (B, max_blocks)
+    cu_seqlens_ptr,  # (B + 1,)
+    seq_lens_ptr,  # (B,)
+    out_ptr,  # (T, H, D)
+    qk_scale,  # scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_kc_nb,
+    stride_kc_bs,
+    stride_kc_h,
+    stride_vc_nb,
+    stride_vc_bs,
+    stride_vc_h,
+    stride_bt_b,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_CACHE: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    # The last query blocks of a sequence do the most work (causal): run them first.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_ptr + b).to(tl.int32)
+    q_len = tl.load(cu_seqlens_ptr + b + 1).to(tl.int32) - q_start
+    m_start = m_block * BLOCK_M
+    if m_start < q_len:
+        kvh = h // G
+        offs_m = m_start + tl.arange(0, BLOCK_M)  # index among the new tokens
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, D)
+        m_mask = offs_m < q_len
+        rows = (q_start + offs_m).to(tl.int64)
+
+        q_ptrs = q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=m_mask[:, None], other=0.0)  # (BLOCK_M, D)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+
+        # 1. The cached prefix [0, ctx_len): every new token sees all of it.
+        if HAS_CACHE:
+            ctx_len = tl.load(seq_lens_ptr + b).to(tl.int32) - q_len
+            bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt_b
+            for n0 in range(0, ctx_len, BLOCK_N):
+                n = n0 + offs_n
+                n_mask = n < ctx_len
+                page = tl.load(bt_row + n // BS, mask=n_mask, other=0).to(tl.int64)
+                row = n % BS
+                k_off = page * stride_kc_nb + row * stride_kc_bs + kvh * stride_kc_h
+                k = tl.load(
+                    k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0
+                )
+                s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * qk_scale
+                s = tl.where(n_mask[None, :], s, float("-inf"))
+                v_off = page * stride_vc_nb + row * stride_vc_bs + kvh * stride_vc_h
+                v = tl.load(
+                    v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0
+                )
+                m_i, l_i, acc = _online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, PREC)
+
+        # 2. New tokens strictly before this query block: no mask needed.
+        k_base = k_ptr + q_start.to(tl.int64) * stride_kt + kvh * stride_kh
+        v_base = v_ptr + q_start.to(tl.int64) * stride_vt + kvh * stride_vh
+        for n0 in range(0, m_start, BLOCK_N):
+            n = n0 + offs_n
+            k = tl.load(k_base + n[:, None] * stride_kt + offs_d[None, :])
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            v = tl.load(v_base + n[:, None] * stride_vt + offs_d[None, :])
+            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PREC)
+
+        # 3. The diagonal block: causal mask (key j visible to query i iff j <= i).
+        for n0 in range(m_start, tl.minimum(m_start + BLOCK_M, q_len), BLOCK_N):
+            n = n0 + offs_n
+            n_mask = n < q_len
+            k = tl.load(k_base + n[:, None] * stride_kt + offs_d[None, :], mask=n_mask[:, None])
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            visible = (n[None, :] <= offs_m[:, None]) & n_mask[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            v = tl.load(v_base + n[:, None] * stride_vt + offs_d[None, :], mask=n_mask[:, None])
+            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PREC)
+
+        # Every real query row saw at least its own key, so l_i > 0 there.
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_ptrs = out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    block_tables: torch.Tensor | None = None,
+    max_q_len: int | None = None,
+) -> torch.Tensor:
+    """Causal flash attention over a packed batch; see `reference.prefill_attention`.
+
+    Grid: (query blocks of the longest sequence, H, B); blocks past a shorter
+    sequence's end exit at once. `max_q_len` (host int, optional) sizes the
+    grid; without it a single sequence uses T and a batch costs one host sync.
+    A cached prefix (seq_len > q_len) is read through block_tables.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    batch = seq_lens.shape[0]
+    for t in (q, k, v):
+        assert t.stride(-1) == 1, "last dim must be contiguous"
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or batch == 0:
+        return out
+    if max_q_len is None:
+        if batch == 1:
+            max_q_len = num_tokens
+        else:
+            max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    has_cache = k_cache is not None
+    if has_cache:
+        assert v_cache is not None and block_tables is not None
+        block_size = k_cache.shape[1]
+        cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0))
+    else:
+        k_cache = v_cache = block_tables = q  # dummies, never read
+        block_size = 16
+        cache_strides = (0,) * 7
+    block_m, block_n, num_warps, num_stages = _prefill_config(q.dtype, head_dim)
+    grid = (triton.cdiv(max_q_len, block_m), num_heads, batch)
+    _prefill_kernel[grid](
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        seq_lens,
+        out,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *cache_strides,
+        G=num_heads // num_kv_heads,
+        D=head_dim,
+        BS=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HAS_CACHE=has_cache,
+        PREC=_dot_precision(q.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out

@@ -1,0 +1,100 @@
+"""Triton RMSNorm, plain and fused with the residual add.
+
+Owns: one-program-per-row kernels that read a row once, reduce it in float32
+and write it back. Does not own: the numerics (`reference.rms_norm`,
+`reference.fused_add_rms_norm`), which these reproduce bit for bit in the
+rounding steps: the sum x + residual is rounded to the input dtype before it is
+normalized, and the normalized row is rounded before the weight multiplies it
+(Hugging Face's order).
+
+`fused_add_rms_norm` writes in place: the new residual over `residual`, the
+normed row over `x`. The model never reads either input again.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # (T, E)
+    res_ptr,  # (T, E), read and overwritten with x + residual when HAS_RESIDUAL
+    w_ptr,  # (E,)
+    out_ptr,  # (T, E)
+    stride_x,
+    stride_res,
+    stride_out,
+    E,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < E
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like torch's add
+        tl.store(res_ptr + row * stride_res + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / E
+    normed = (xf * tl.rsqrt(var + eps)).to(x.dtype)  # HF rounds before the weight
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    y = w.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """(..., E) -> (T, E) with a contiguous last dim (a view when possible)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _launch(x2, res2, weight, out2, eps, has_residual):
+    num_rows, hidden = x2.shape
+    block = triton.next_power_of_2(hidden)
+    # 16 bytes per thread per load at E=2048 bf16 with 8 warps.
+    num_warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
+    _rms_norm_kernel[(num_rows,)](
+        x2,
+        res2,
+        weight,
+        out2,
+        x2.stride(0),
+        res2.stride(0),
+        out2.stride(0),
+        hidden,
+        eps,
+        HAS_RESIDUAL=has_residual,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """See `reference.rms_norm`. (..., E) -> (..., E), a new tensor."""
+    x2 = _as_rows(x)
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)  # as `weight * normed` would
+    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    if x2.shape[0] > 0:
+        _launch(x2, x2, weight, out, eps, has_residual=False)
+    return out.view(x.shape)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `reference.fused_add_rms_norm`: returns (normed, x + residual), both in place."""
+    assert x.shape == residual.shape and x.dtype == residual.dtype
+    x2 = _as_rows(x)
+    res2 = _as_rows(residual)
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    # Write the normed rows over x: each program reads its row before writing it.
+    out = x2 if out_dtype == x.dtype else torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    if x2.shape[0] > 0:
+        _launch(x2, res2, weight, out, eps, has_residual=True)
+    return out.view(x.shape), res2.view(residual.shape)

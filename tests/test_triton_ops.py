@@ -1,0 +1,371 @@
+"""Every Triton kernel against its reference op, on the CPU under TRITON_INTERPRET=1.
+
+Float32 on small shapes (the interpreter is slow): ragged lengths, page
+boundaries (seq lens 1, 15, 16, 17, 33, ...), GQA ratios 1/3/4/8, head dims 64
+and 128, prefill with and without a cached prefix, decode with and without
+split-KV, strided views of a fused QKV output. A few float16 cases run the
+16-bit tile sizes the GPU uses. bf16 on CUDA is `test_triton_gpu.py`.
+
+The interpreter must be switched on before Triton is first imported:
+tests/conftest.py sets TRITON_INTERPRET=1 for the whole session when there is
+no GPU, and this module does the same for when it runs alone. With compiled
+(GPU) kernels these CPU-tensor tests cannot run, so the module skips.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from pagedllm.config import RopeScaling  # noqa: E402
+from pagedllm.ops import reference as ref  # noqa: E402
+from pagedllm.ops import triton_attention  # noqa: E402
+from pagedllm.ops import triton_impl as tri  # noqa: E402
+
+if isinstance(triton_attention._decode_kernel, triton.runtime.jit.JITFunction):
+    pytest.skip(
+        "Triton kernels are compiled, not interpreted (TRITON_INTERPRET=1 was not set before "
+        "Triton was first imported); these CPU tests need the interpreter",
+        allow_module_level=True,
+    )
+
+BS = 16  # page size
+
+
+def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
+    out, expected = out.float(), expected.float()
+    return ((out - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def fused_qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype=torch.float32, gen=None):
+    """q, k, v as strided views of one (T, (H + 2Hkv) D) tensor, as the model makes them."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).to(dtype)
+    q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+    return q, k, v
+
+
+def paged_cache(seq_lens, num_kv_heads, head_dim, dtype=torch.float32, gen=None):
+    """Random K/V pages, handed out shuffled; block tables padded with -1 past each sequence."""
+    pages_per_seq = [(n + BS - 1) // BS for n in seq_lens]
+    num_pages = sum(pages_per_seq) + 3
+    k_cache = torch.randn(num_pages, BS, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_pages, BS, num_kv_heads, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(num_pages, generator=gen)
+    width = max(pages_per_seq, default=0) + 2
+    block_tables = torch.full((len(seq_lens), width), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(pages_per_seq):
+        block_tables[b, :n] = order[used : used + n].to(torch.int32)
+        used += n
+    return k_cache, v_cache, block_tables
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+# --------------------------------------------------------------------------
+# Norms, activation, embedding
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hidden", [64, 100, 2048])
+def test_rms_norm(gen, dtype, hidden):
+    x = torch.randn(5, hidden, generator=gen).to(dtype)
+    w = torch.randn(hidden, generator=gen).to(dtype)
+    out = tri.rms_norm(x, w, 1e-5)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out, ref.rms_norm(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_add_rms_norm(gen, dtype):
+    x = torch.randn(7, 96, generator=gen).to(dtype)
+    res = torch.randn(7, 96, generator=gen).to(dtype)
+    w = torch.randn(96, generator=gen).to(dtype)
+    want_normed, want_res = ref.fused_add_rms_norm(x, res, w, 1e-6)
+    normed, new_res = tri.fused_add_rms_norm(x.clone(), res.clone(), w, 1e-6)
+    torch.testing.assert_close(new_res, want_res)
+    torch.testing.assert_close(normed, want_normed)
+
+
+def test_fused_add_rms_norm_writes_in_place(gen):
+    x, res = torch.randn(3, 32, generator=gen), torch.randn(3, 32, generator=gen)
+    normed, new_res = tri.fused_add_rms_norm(x, res, torch.ones(32), 1e-6)
+    assert normed.data_ptr() == x.data_ptr() and new_res.data_ptr() == res.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("inter", [48, 1500])
+def test_silu_and_mul(gen, dtype, inter):
+    x = torch.randn(6, 2 * inter, generator=gen).to(dtype)
+    torch.testing.assert_close(tri.silu_and_mul(x), ref.silu_and_mul(x))
+
+
+def test_embedding(gen):
+    weight = torch.randn(50, 1100, generator=gen)
+    ids = torch.randint(0, 50, (9,), generator=gen)
+    torch.testing.assert_close(tri.embedding(ids, weight), ref.embedding(ids, weight))
+
+
+# --------------------------------------------------------------------------
+# RoPE and the KV store
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_apply_rope_in_place_on_strided_views(gen, head_dim, num_heads, num_kv_heads, dtype):
+    scaling = RopeScaling(
+        factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+    )
+    cache = ref.rope_cos_sin_cache(head_dim, 500000.0, scaling, 300)
+    q, k, v = fused_qkv_views(5, num_heads, num_kv_heads, head_dim, dtype, gen)
+    positions = torch.tensor([0, 1, 17, 255, 299])
+    want_q, want_k = ref.apply_rope(q, k, positions, cache)
+    v_before = v.clone()
+    out_q, out_k = tri.apply_rope(q, k, positions, cache)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    torch.testing.assert_close(q, want_q)
+    torch.testing.assert_close(k, want_k)
+    assert torch.equal(v, v_before)  # the neighbouring V columns are untouched
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_store_kvcache(gen, cache_dtype):
+    num_kv_heads, head_dim, num_pages = 3, 64, 4
+    _, k, v = fused_qkv_views(6, 6, num_kv_heads, head_dim, gen=gen)
+    slots = torch.tensor([0, 15, 16, 17, 63, 40])
+    k_cache = torch.zeros(num_pages, BS, num_kv_heads, head_dim, dtype=cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    ref.store_kvcache(k, v, want_k, want_v, slots)
+    tri.store_kvcache(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_store_kvcache_skips_negative_slots(gen):
+    k = torch.randn(3, 2, 64, generator=gen)
+    k_cache = torch.zeros(2, BS, 2, 64)
+    v_cache = torch.zeros(2, BS, 2, 64)
+    tri.store_kvcache(k, k, k_cache, v_cache, torch.tensor([-1, 5, -1]))
+    assert torch.equal(k_cache.view(-1, 2, 64)[5], k[1])
+    k_cache.view(-1, 2, 64)[5] = 0
+    assert k_cache.abs().sum() == 0  # nothing else was written
+
+
+# --------------------------------------------------------------------------
+# Decode attention
+# --------------------------------------------------------------------------
+
+DECODE_LENS = [1, 15, 16, 17, 33, 70]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (6, 2), (8, 2), (8, 1)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention(gen, head_dim, num_heads, num_kv_heads, num_splits):
+    k_cache, v_cache, block_tables = paged_cache(DECODE_LENS, num_kv_heads, head_dim, gen=gen)
+    q, _, _ = fused_qkv_views(len(DECODE_LENS), num_heads, num_kv_heads, head_dim, gen=gen)
+    seq_lens = torch.tensor(DECODE_LENS, dtype=torch.int32)
+    want = ref.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    out = tri.decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, 0.125, num_splits=num_splits
+    )
+    assert out.shape == q.shape and out.is_contiguous()
+    assert rel_err(out, want) < 1e-5
+
+
+def test_decode_attention_default_split_choice(gen):
+    """No hint: the block-table width picks the splits (here > 1, one sequence)."""
+    lens = [150]
+    k_cache, v_cache, block_tables = paged_cache(lens, 2, 64, gen=gen)
+    q = torch.randn(1, 8, 64, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    want = ref.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.1)
+    assert triton_attention.num_decode_splits(1, 2, block_tables.shape[1] * BS) > 1
+    out = tri.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.1)
+    assert rel_err(out, want) < 1e-5
+    out = tri.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.1, max_seq_len=150)
+    assert rel_err(out, want) < 1e-5
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_attention_padding_rows_give_zeros(gen, num_splits):
+    """seq_len 0 rows (CUDA-graph padding) are zeros, and the real rows stay right."""
+    k_cache, v_cache, block_tables = paged_cache([20, 1], 2, 64, gen=gen)
+    block_tables[1] = -1  # a padding row points nowhere
+    q = torch.randn(2, 4, 64, generator=gen)
+    seq_lens = torch.tensor([20, 0], dtype=torch.int32)
+    out = tri.decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, 0.1, num_splits=num_splits
+    )
+    want = ref.decode_attention(q[:1], k_cache, v_cache, block_tables[:1], seq_lens[:1], 0.1)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert rel_err(out[:1], want) < 1e-5
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_attention_fp16(gen, head_dim):
+    """float16 runs the key-tile sizes the GPU uses for 16-bit caches."""
+    lens = [5, 16, 100, 200]
+    k_cache, v_cache, block_tables = paged_cache(lens, 2, head_dim, torch.float16, gen)
+    q = torch.randn(4, 8, head_dim, generator=gen).half()
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    want = ref.decode_attention(
+        q.float(), k_cache.float(), v_cache.float(), block_tables, seq_lens, 0.125
+    )
+    for splits in (1, 2):
+        out = tri.decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, 0.125, num_splits=splits
+        )
+        assert out.dtype == torch.float16 and rel_err(out, want) < 2e-3
+
+
+def test_num_decode_splits_rule():
+    split = triton_attention.num_decode_splits
+    assert split(256, 8, 131072) == 1  # enough programs already
+    assert split(64, 8, 2048) == 1
+    assert split(1, 8, 100) == 1  # too short to split
+    assert split(1, 8, 2048) == 2048 // triton_attention.MIN_TOKENS_PER_SPLIT
+    assert 1 < split(1, 8, 131072) <= triton_attention.MAX_SPLITS
+    assert split(8, 8, 2048) * 8 * 8 >= 132
+
+
+# --------------------------------------------------------------------------
+# Prefill attention
+# --------------------------------------------------------------------------
+
+Q_LENS = [1, 15, 16, 17, 33, 70]
+
+
+def _prefill_case(gen, q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, dtype=torch.float32):
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    q, k, v = fused_qkv_views(sum(q_lens), num_heads, num_kv_heads, head_dim, dtype, gen)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    k_cache, v_cache, block_tables = paged_cache(seq_lens, num_kv_heads, head_dim, dtype, gen)
+    return q, k, v, cu, torch.tensor(seq_lens, dtype=torch.int32), k_cache, v_cache, block_tables
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (6, 2), (8, 2), (8, 1)])
+def test_prefill_attention_no_cache(gen, head_dim, num_heads, num_kv_heads):
+    q, k, v, cu, seq_lens, *_ = _prefill_case(
+        gen, Q_LENS, [0] * len(Q_LENS), num_heads, num_kv_heads, head_dim
+    )
+    want = ref.prefill_attention(q, k, v, cu, seq_lens, 0.125)
+    out = tri.prefill_attention(q, k, v, cu, seq_lens, 0.125)
+    assert out.shape == q.shape
+    assert rel_err(out, want) < 1e-5
+    if num_heads == num_kv_heads:  # the host hint sizes the grid instead of a sync
+        out = tri.prefill_attention(q, k, v, cu, seq_lens, 0.125, max_q_len=max(Q_LENS))
+        assert rel_err(out, want) < 1e-5
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (8, 1)])
+def test_prefill_attention_with_cached_prefix(gen, head_dim, num_heads, num_kv_heads):
+    q_lens = [1, 16, 17, 3, 40]
+    ctx_lens = [0, 5, 16, 33, 17]
+    q, k, v, cu, seq_lens, k_cache, v_cache, block_tables = _prefill_case(
+        gen, q_lens, ctx_lens, num_heads, num_kv_heads, head_dim
+    )
+    args = (q, k, v, cu, seq_lens, 0.125, k_cache, v_cache, block_tables)
+    want = ref.prefill_attention(*args)
+    out = tri.prefill_attention(*args, max_q_len=max(q_lens))
+    assert rel_err(out, want) < 1e-5
+
+
+def test_prefill_attention_single_sequence_needs_no_hint(gen):
+    q, k, v, cu, seq_lens, k_cache, v_cache, block_tables = _prefill_case(gen, [70], [20], 4, 2, 64)
+    args = (q, k, v, cu, seq_lens, 0.1, k_cache, v_cache, block_tables)
+    assert rel_err(tri.prefill_attention(*args), ref.prefill_attention(*args)) < 1e-5
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_attention_fp16_gpu_tiles(gen, head_dim):
+    """float16 runs the tile sizes the GPU uses for 16-bit inputs."""
+    q_lens, ctx_lens = [130, 7], [9, 40]
+    q, k, v, cu, seq_lens, k_cache, v_cache, block_tables = _prefill_case(
+        gen, q_lens, ctx_lens, 8, 2, head_dim, torch.float16
+    )
+    want = ref.prefill_attention(
+        q.float(),
+        k.float(),
+        v.float(),
+        cu,
+        seq_lens,
+        0.125,
+        k_cache.float(),
+        v_cache.float(),
+        block_tables,
+    )
+    out = tri.prefill_attention(q, k, v, cu, seq_lens, 0.125, k_cache, v_cache, block_tables)
+    assert out.dtype == torch.float16 and rel_err(out, want) < 2e-3
+
+
+def test_chunked_prefill_then_decode_matches_one_shot(gen):
+    """Store + prefill in two chunks, then one decode step == attention over the whole prompt."""
+    num_heads, num_kv_heads, head_dim, n = 4, 2, 64, 37
+    q, k, v = fused_qkv_views(n + 1, num_heads, num_kv_heads, head_dim, gen=gen)
+    k_cache = torch.zeros(4, BS, num_kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    block_tables = torch.tensor([[2, 0, 3, -1]], dtype=torch.int32)
+
+    def slots(lo, hi):
+        pos = torch.arange(lo, hi)
+        return block_tables[0, pos // BS].long() * BS + pos % BS
+
+    whole = ref.prefill_attention(
+        q, k, v, torch.tensor([0, n + 1], dtype=torch.int32), torch.tensor([n + 1]), 0.1
+    )
+    outs = []
+    for lo, hi in [(0, 20), (20, n)]:  # two prefill chunks
+        tri.store_kvcache(k[lo:hi], v[lo:hi], k_cache, v_cache, slots(lo, hi))
+        cu = torch.tensor([0, hi - lo], dtype=torch.int32)
+        seq = torch.tensor([hi], dtype=torch.int32)
+        outs.append(
+            tri.prefill_attention(
+                q[lo:hi], k[lo:hi], v[lo:hi], cu, seq, 0.1, k_cache, v_cache, block_tables
+            )
+        )
+    tri.store_kvcache(k[n:], v[n:], k_cache, v_cache, slots(n, n + 1))
+    seq = torch.tensor([n + 1], dtype=torch.int32)
+    outs.append(tri.decode_attention(q[n:], k_cache, v_cache, block_tables, seq, 0.1))
+    assert rel_err(torch.cat(outs), whole) < 1e-5
+
+
+def test_dispatcher_finds_the_triton_module(monkeypatch):
+    from pagedllm import ops
+
+    monkeypatch.setenv("PAGEDLLM_OPS", "triton")
+    impl = ops.implementation("cpu")
+    assert impl is tri
+    for name in ops.OP_NAMES:
+        assert callable(getattr(impl, name))
+
+
+def test_signatures_match_the_reference():
+    import inspect
+
+    from pagedllm import ops
+
+    for name in ops.OP_NAMES:
+        want = inspect.signature(getattr(ref, name)).parameters
+        got = inspect.signature(getattr(tri, name)).parameters
+        assert list(got)[: len(want)] == list(want), name
+        extra = list(got)[len(want) :]
+        assert all(got[p].kind is inspect.Parameter.KEYWORD_ONLY for p in extra), name
