@@ -58,6 +58,9 @@ class DecodeGraphs:
         self.h_int = torch.zeros(n, dtype=torch.int32).pin_memory()
         self.h_tables = torch.zeros((n, width), dtype=torch.int32).pin_memory()
         self.d_long = torch.zeros((3, n), dtype=torch.long, device=dev)
+        # Which request's block table each row of the device table holds, and how
+        # many of its pages: a row is re-sent only when that changes.
+        self.row_owner: list[tuple[int, int] | None] = [None] * n
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._capture(model)
@@ -109,7 +112,7 @@ class DecodeGraphs:
         h = self.h_long.numpy()
         hi = self.h_int.numpy()
         ht = self.h_tables.numpy()
-        width = 0
+        lo, hi_row, width = b, -1, 0  # rows whose block table changed: lo..hi_row
         for i, req in enumerate(scheduled):
             pos = req.num_tokens - 1  # the last sampled token is the one computed now
             table = req.block_table
@@ -117,13 +120,18 @@ class DecodeGraphs:
             h[1, i] = pos
             h[2, i] = table[pos // bs] * bs + pos % bs
             hi[i] = pos + 1
-            nb = len(table)
-            ht[i, :nb] = table
-            width = max(width, nb)
+            owner = (req.request_id, len(table))
+            if self.row_owner[i] != owner:
+                self.row_owner[i] = owner
+                ht[i, : len(table)] = table
+                lo, hi_row = min(lo, i), max(hi_row, i)
+                width = max(width, len(table))
         h[2, b:bucket] = -1
         hi[b:bucket] = 0
         self.d_long[:, :bucket].copy_(self.h_long[:, :bucket], non_blocking=True)
         self.seq_lens[:bucket].copy_(self.h_int[:bucket], non_blocking=True)
-        self.block_tables[:b, :width].copy_(self.h_tables[:b, :width], non_blocking=True)
+        if hi_row >= lo:
+            rows = slice(lo, hi_row + 1)
+            self.block_tables[rows, :width].copy_(self.h_tables[rows, :width], non_blocking=True)
         self.graphs[bucket].replay()
         return self.outputs[bucket][:b]
