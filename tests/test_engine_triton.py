@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import make_tiny_llama_dir
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model import load_model
 from pagedllm.ops import implementation_name
+from tiny_models import make_tiny_llama_dir
 
 
 @pytest.fixture(scope="module")

@@ -102,6 +102,12 @@ def build_model(
     def put(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype).contiguous()
 
+    transposed = device.type == "cpu"  # see LayerWeights: (in, out) is faster there
+
+    def put_matrix(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(device=device, dtype=dtype)
+        return (t.t() if transposed else t).contiguous()
+
     e, inter = c.hidden_size, c.intermediate_size
     layers = []
     for i in range(c.num_hidden_layers):
@@ -114,20 +120,21 @@ def build_model(
         layers.append(
             LayerWeights(
                 input_norm=put(take(p + "input_layernorm.weight", (e,))),
-                qkv_proj=put(torch.cat([q, k, v], dim=0)),
-                o_proj=put(take(p + "self_attn.o_proj.weight", (e, c.q_size))),
+                qkv_proj=put_matrix(torch.cat([q, k, v], dim=0)),
+                o_proj=put_matrix(take(p + "self_attn.o_proj.weight", (e, c.q_size))),
                 post_norm=put(take(p + "post_attention_layernorm.weight", (e,))),
-                gate_up_proj=put(torch.cat([gate, up], dim=0)),
-                down_proj=put(take(p + "mlp.down_proj.weight", (e, inter))),
+                gate_up_proj=put_matrix(torch.cat([gate, up], dim=0)),
+                down_proj=put_matrix(take(p + "mlp.down_proj.weight", (e, inter))),
             )
         )
     embed = put(take("model.embed_tokens.weight", (c.vocab_size, e)))
     if c.tie_word_embeddings:
-        lm_head = embed
+        # Tied: on the GPU the very same tensor; on the CPU a transposed copy.
+        lm_head = embed.t().contiguous() if transposed else embed
     else:
-        lm_head = put(take("lm_head.weight", (c.vocab_size, e)))
+        lm_head = put_matrix(take("lm_head.weight", (c.vocab_size, e)))
     norm = put(take("model.norm.weight", (e,)))
-    return LlamaModel(c, embed, layers, norm, lm_head)
+    return LlamaModel(c, embed, layers, norm, lm_head, weights_transposed=transposed)
 
 
 def dummy_model(
@@ -144,8 +151,11 @@ def dummy_model(
     gen = torch.Generator(device=dev).manual_seed(seed)
     c = config
 
+    transposed = dev.type == "cpu"  # see LayerWeights
+
     def mat(rows: int, cols: int) -> torch.Tensor:
-        return torch.randn(rows, cols, generator=gen, device=dev, dtype=dt) * std
+        w = torch.randn(rows, cols, generator=gen, device=dev, dtype=dt) * std
+        return w.t().contiguous() if transposed else w
 
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, device=dev, dtype=dt)
@@ -162,6 +172,9 @@ def dummy_model(
         )
         for _ in range(c.num_hidden_layers)
     ]
-    embed = mat(c.vocab_size, e)
-    lm_head = embed if c.tie_word_embeddings else mat(c.vocab_size, e)
-    return LlamaModel(c, embed, layers, ones(e), lm_head)
+    embed = torch.randn(c.vocab_size, e, generator=gen, device=dev, dtype=dt) * std
+    if c.tie_word_embeddings:
+        lm_head = embed.t().contiguous() if transposed else embed
+    else:
+        lm_head = mat(c.vocab_size, e)
+    return LlamaModel(c, embed, layers, ones(e), lm_head, weights_transposed=transposed)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from pagedllm.config import RopeScaling
 
@@ -30,6 +31,8 @@ def embedding(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight, computed in float32. (T, E) -> (T, E)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # the same formula, one op
     xf = x.float()
     var = xf.pow(2).mean(dim=-1, keepdim=True)
     # HF casts back to the input dtype before multiplying by the weight.
@@ -99,21 +102,22 @@ def apply_rope(
     Q/K permuted for llama.cpp's interleaved layout; the loader undoes that.
     """
     cos_sin = cos_sin_cache[positions]  # (T, D)
-    cos, sin = cos_sin.chunk(2, dim=-1)  # (T, D/2) each
-    cos = cos[:, None, :]
-    sin = sin[:, None, :]
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        x1, x2 = xf.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-    return rotate(q), rotate(k)
+    cos, sin = cos_sin[:, None, :].chunk(2, dim=-1)  # (T, 1, D/2) each
+    num_q_heads = q.shape[1]
+    qk = torch.cat([q, k], dim=1).float()  # (T, H + Hkv, D): one rotation for both
+    x1, x2 = qk.chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rotated[:, :num_q_heads].to(q.dtype), rotated[:, num_q_heads:].to(k.dtype)
 
 
 # --------------------------------------------------------------------------
 # Paged KV cache and attention
 # --------------------------------------------------------------------------
+
+# The reference decode reads K/V in chunks of pages holding about this many
+# K elements (B x tokens x Hkv x D): large chunks mean few PyTorch ops, bounded
+# ones mean bounded memory.
+DECODE_CHUNK_ELEMENTS = 1 << 24
 
 
 def store_kvcache(
@@ -179,12 +183,12 @@ def prefill_attention(
         qf = q[start:end].float().transpose(0, 1)  # (H, q_len, D)
         kf = kb.float().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, seq_len, D)
         vf = vb.float().repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = (qf @ kf.transpose(1, 2)) * scale  # (H, q_len, seq_len)
         q_pos = torch.arange(ctx_len, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[start:end] = (probs @ vf).transpose(0, 1).to(q.dtype)
+        allowed = k_pos <= q_pos  # (q_len, seq_len): causal, shifted by the cached prefix
+        # softmax(q k^T * scale, masked) @ v, computed by PyTorch's fused SDPA.
+        o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=allowed, scale=scale)
+        out[start:end] = o.transpose(0, 1).to(q.dtype)
     return out
 
 
@@ -214,22 +218,43 @@ def decode_attention(
     denom = torch.zeros((batch, num_kv_heads, group), device=q.device)
     acc = torch.zeros((batch, num_kv_heads, group, head_dim), device=q.device)
     lens = seq_lens.long()[:, None]  # (B, 1)
-    offsets = torch.arange(bs, device=q.device)[None, :]  # (1, BS)
-    # All sequences advance together, page index p at a time.
-    for p in range(max_pages):
-        pages = block_tables[:, p].long()  # (B,)
-        kp = k_cache[pages].float().permute(0, 2, 1, 3)  # (B, Hkv, BS, D)
-        vp = v_cache[pages].float().permute(0, 2, 1, 3)
-        s = (qf @ kp.transpose(-1, -2)) * scale  # (B, Hkv, G, BS)
-        valid = (p * bs + offsets) < lens  # (B, BS): tokens of this page inside the sequence
-        s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+
+    def chunk_scores(p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores (B, Hkv, G, n) of pages p0..p1 (invalid tokens -inf) and their V."""
+        pages = block_tables[:, p0:p1].long()  # (B, C)
+        n = (p1 - p0) * bs
+        kp = k_cache[pages].float().view(batch, n, num_kv_heads, head_dim).transpose(1, 2)
+        vp = v_cache[pages].float().view(batch, n, num_kv_heads, head_dim).transpose(1, 2)
+        s = (qf @ kp.transpose(-1, -2)) * scale  # (B, Hkv, G, n)
+        valid = (p0 * bs + torch.arange(n, device=q.device)[None, :]) < lens  # (B, n)
+        return s.masked_fill(~valid[:, None, None, :], float("-inf")), vp
+
+    chunk_tokens = min(4096, max(256, DECODE_CHUNK_ELEMENTS // (batch * num_kv_heads * head_dim)))
+    step = max(1, chunk_tokens // bs)  # pages per chunk
+    if max_pages <= step and bool((seq_lens > 0).all()):
+        # The whole context is one chunk, where the online softmax is a plain softmax:
+        # one fused SDPA call (the common case on the CPU, where every PyTorch op
+        # costs ~10 us of overhead: this took SmolLM2's batch-1 step from 41 to 36 ms).
+        pages = block_tables[:, :max_pages].long()  # (B, C)
+        n = max_pages * bs
+        kp = k_cache[pages].float().view(batch, n, num_kv_heads, head_dim).transpose(1, 2)
+        vp = v_cache[pages].float().view(batch, n, num_kv_heads, head_dim).transpose(1, 2)
+        valid = torch.arange(n, device=q.device)[None, :] < lens  # (B, n)
+        out = F.scaled_dot_product_attention(
+            qf, kp, vp, attn_mask=valid[:, None, None, :], scale=scale
+        )
+        return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+    # All sequences advance together, a chunk of pages at a time: the same online
+    # softmax as one page at a time, with fewer, larger PyTorch ops.
+    for p0 in range(0, max_pages, step):
+        s, vp = chunk_scores(p0, min(p0 + step, max_pages))
         m_new = torch.maximum(m, s.amax(dim=-1))
         # A sequence with nothing seen yet keeps m = -inf; use 0 as its baseline.
         base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         alpha = torch.exp(m - base)  # rescales what we had
         pexp = torch.exp(s - base[..., None])
         denom = denom * alpha + pexp.sum(dim=-1)
-        acc = acc * alpha[..., None] + pexp @ vp
+        acc = acc * alpha[..., None] + pexp @ vp  # (B, Hkv, G, D)
         m = m_new
     out = acc / denom.clamp_min(1e-30)[..., None]  # seq_len 0 rows come out as zeros
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
