@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 
-def preset_hf_model(dtype, seed=0, num_layers=None):
+def preset_hf_model(dtype, seed=0, num_layers=None, spread=False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pagedllm.presets import preset_dir
@@ -27,13 +27,30 @@ def preset_hf_model(dtype, seed=0, num_layers=None):
         cfg["num_hidden_layers"] = num_layers
     torch.manual_seed(seed)
     with torch.device("cuda"):
-        hf = LlamaForCausalLM(LlamaConfig(**cfg)).to(dtype).eval()
-    # Spread the weights so logits are peaked (greedy is then not a coin toss).
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.5 if "embed" in name else 0.03)
+        hf = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    to_dtype(hf, dtype)
+    if spread:
+        # Peaked logits, so greedy picks are not coin tosses. (Such a random network
+        # is chaotic: bf16 rounding grows through the layers, so the log-prob tests
+        # below keep transformers' default initialisation.)
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if "norm" not in name:
+                    p.normal_(0.0, 0.5 if "embed" in name else 0.03)
     return hf, cfg
+
+
+def to_dtype(hf, dtype):
+    """Cast transformers' model, keeping RoPE's inverse frequencies in float32.
+
+    `Module.to(bfloat16)` also rounds the `inv_freq` buffer to bf16, which moves
+    the rotation angles of late positions by up to a radian: the oracle would then
+    differ from the model it stands for (and from ours, which keeps them exact)."""
+    rotary = hf.model.rotary_emb
+    inv_freq = rotary.inv_freq.float().clone()
+    hf.to(dtype)
+    rotary.inv_freq = inv_freq
+    return hf
 
 
 def ours_from_hf(hf, cfg, dtype):
@@ -46,6 +63,10 @@ def ours_from_hf(hf, cfg, dtype):
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error of log-probs, each row centred (its mean over the vocabulary
+    removed), so a near-uniform distribution cannot pass on its constant part."""
+    a = a - a.mean(-1, keepdim=True)
+    b = b - b.mean(-1, keepdim=True)
     return ((a - b).norm() / b.norm()).item()
 
 
@@ -56,12 +77,20 @@ def bf16_pair():
 
 
 def test_prefill_logprobs_match_transformers_bf16(bf16_pair):
+    """Against transformers in float32 on the same (bf16-rounded) weights: our bf16
+    error is within 2e-2, or no worse than transformers' own bf16 run."""
     hf, ours = bf16_pair
     prompt = torch.randint(0, 128000, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids = torch.tensor([prompt], device="cuda")
     with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([prompt], device="cuda")).logits[0].float(), -1)
+        ref_bf16 = torch.log_softmax(hf(ids).logits[0].float(), -1)
+        to_dtype(hf, torch.float32)
+        ref = torch.log_softmax(hf(ids).logits[0].float(), -1)
+        to_dtype(hf, torch.bfloat16)
     got = torch.log_softmax(ours.forward_logits(prompt), -1)
-    assert rel(got, ref) < 2e-2
+    ours_err, hf_err = rel(got, ref), rel(ref_bf16, ref)
+    print(f"bf16 log-prob error vs float32: pagedllm {ours_err:.4f}, transformers {hf_err:.4f}")
+    assert ours_err < max(2e-2, 1.25 * hf_err)
 
 
 def test_paged_decode_logprobs_match_transformers_bf16(bf16_pair):
@@ -83,9 +112,16 @@ def test_paged_decode_logprobs_match_transformers_bf16(bf16_pair):
         ids = p + o.token_ids
         with torch.no_grad():
             lp = torch.log_softmax(hf(torch.tensor([ids], device="cuda")).logits[0].float(), -1)
-        ref = torch.stack([lp[len(p) - 1 + i, t] for i, t in enumerate(o.token_ids)])
+        rows = lp[len(p) - 1 : -1]  # (n, V): the distribution each new token was drawn from
+        ref = torch.stack([rows[i, t] for i, t in enumerate(o.token_ids)])
         got = torch.tensor([o.logprobs[i][t] for i, t in enumerate(o.token_ids)], device="cuda")
-        assert rel(got, ref) < 2e-2, (got, ref)
+        err = ((got - ref).norm() / ref.norm()).item()
+        assert err < 2e-2, (got, ref)
+        # The engine's greedy picks are transformers' argmax wherever that is clear.
+        top2 = rows.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.05
+        picks = rows.argmax(-1)
+        assert (picks[clear] == torch.tensor(o.token_ids, device="cuda")[clear]).all()
 
 
 def test_batched_equals_single_greedy_fp32():
@@ -94,7 +130,7 @@ def test_batched_equals_single_greedy_fp32():
     from pagedllm import LLM, SamplingParams
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    hf, cfg = preset_hf_model(torch.float32, seed=3, num_layers=4)
+    hf, cfg = preset_hf_model(torch.float32, seed=3, num_layers=4, spread=True)
     ours = ours_from_hf(hf, cfg, torch.float32)
     del hf
     llm = LLM(model=ours, kv_cache_mib=1024, max_model_len=2048, max_num_seqs=16)

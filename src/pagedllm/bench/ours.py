@@ -1,0 +1,206 @@
+"""Run the three workloads on pagedllm through its public API (`LLM.generate`).
+
+Owns: building the `LLM` the benchmark asks for (a model path, or a config
+with random weights made on the device) and timing each workload the same
+way the peer is timed. Does not own: the workloads' contents (`workloads.py`)
+or the peer (`hf_peer.py`).
+
+Every request is greedy with EOS ignored, so each makes exactly its
+`max_tokens`; a run that does not is an error, never a figure.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import pagedllm
+from pagedllm import LLM, SamplingParams
+from pagedllm.bench.result import BenchResult
+from pagedllm.bench.workloads import Workload
+from pagedllm.model import LlamaModel
+
+ENGINE = "pagedllm"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to benchmark: a path (HF dir or GGUF) or a preset, with real or dummy weights."""
+
+    model: str | None  # None: the default model (SmolLM2 GGUF)
+    preset: str | None
+    load_format: str  # "auto" (read the weights) or "dummy" (random, made on the device)
+
+    def describe(self) -> str:
+        if self.preset:
+            where = f"preset {self.preset}"
+        elif self.model:
+            where = Path(self.model).name
+        else:
+            where = "default SmolLM2-135M"
+        return where + (" (dummy weights)" if self.load_format == "dummy" else "")
+
+
+def load_model(spec: ModelSpec, device: str | None, dtype: str | None) -> LlamaModel:
+    """Our model on the device: read from disk, or random weights of the config's shape."""
+    from pagedllm.model import dummy_model
+    from pagedllm.model import load_model as load_from_path
+
+    if spec.load_format == "dummy":
+        from pagedllm.config import ModelConfig
+
+        if spec.preset:
+            from pagedllm.presets import preset_dir
+
+            config_dir = preset_dir(spec.preset)
+        elif spec.model and Path(spec.model).is_dir():
+            config_dir = Path(spec.model)
+        else:
+            raise ValueError("--load-format dummy needs --preset NAME or --model HF_DIRECTORY")
+        return dummy_model(ModelConfig.from_hf_dir(config_dir), device, dtype)
+    if spec.preset:
+        raise ValueError(
+            f"preset {spec.preset!r} ships a config, not weights: add --load-format dummy"
+        )
+    return load_from_path(spec.model, device, dtype)
+
+
+def build_llm(model: LlamaModel, engine_kwargs: dict[str, Any], log: Callable[[str], None]) -> LLM:
+    return LLM(model=model, log=log, **engine_kwargs)
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _sync(llm: LLM) -> None:
+    if llm.engine.model.device.type == "cuda":
+        torch.cuda.synchronize(llm.engine.model.device)
+
+
+def _generate(llm: LLM, w: Workload) -> tuple[list[Any], float]:
+    """Run a workload once; return the outputs and the wall seconds of the whole call."""
+    params = [_params(m) for m in w.max_tokens]
+    _sync(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate(w.prompts, params, use_tqdm=False)
+    _sync(llm)
+    wall = time.perf_counter() - t0
+    for i, (o, m) in enumerate(zip(outs, w.max_tokens)):
+        if len(o.token_ids) != m:
+            raise RuntimeError(
+                f"{w.name} request {i} made {len(o.token_ids)} tokens, not {m} "
+                f"(finish_reason={o.finish_reason}, error={getattr(o, 'error', None)})"
+            )
+    return outs, wall
+
+
+class _StepCounter:
+    """Host time and steps of the runner between two points (the engine keeps totals)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.runner = llm.engine.runner
+        self.t0, self.n0 = self.runner.host_time_s, self.runner.num_steps
+        self.engine = llm.engine
+        self.d0 = getattr(llm.engine, "num_decode_steps", 0)
+
+    def host_ms_per_step(self) -> float | None:
+        steps = self.runner.num_steps - self.n0
+        return None if steps == 0 else 1e3 * (self.runner.host_time_s - self.t0) / steps
+
+    def steps(self) -> tuple[int, int]:
+        return self.runner.num_steps - self.n0, getattr(
+            self.engine, "num_decode_steps", 0
+        ) - self.d0
+
+
+def _result(**kw: Any) -> BenchResult:
+    return BenchResult(engine=ENGINE, version=pagedllm.__version__, **kw)
+
+
+def run_throughput(llm: LLM, w: Workload, warmup: Workload) -> BenchResult:
+    """Workload 1: all requests at once; throughput = sum(max_tokens) / wall (prefill included)."""
+    _generate(llm, warmup)
+    counter = _StepCounter(llm)
+    outs, wall = _generate(llm, w)
+    steps, decode_steps = counter.steps()
+    stats = llm.stats()
+    ttfts = [o.time_to_first_token for o in outs if o.time_to_first_token is not None]
+    tpots = [o.time_per_output_token for o in outs if o.time_per_output_token is not None]
+    return _result(
+        requests=w.num_requests,
+        output_tokens=w.output_tokens,
+        seconds=wall,
+        tokens_per_s=w.output_tokens / wall,
+        ttft_s=statistics.median(ttfts) if ttfts else None,
+        tpot_s=statistics.median(tpots) if tpots else None,
+        host_time_per_step_ms=counter.host_ms_per_step(),
+        notes={
+            "prompt_tokens": w.prompt_tokens,
+            "steps": steps,
+            "decode_steps": decode_steps,
+            "peak_active_requests": stats.get("peak_active_requests"),
+            "max_decode_batch": stats.get("max_decode_batch"),
+            "admission_waits": stats.get("admission_waits"),
+            "pages_total": stats.get("pages_total"),
+            "pages_peak_used": stats.get("pages_peak_used"),
+            "block_size": stats.get("block_size"),
+            "ttft_is": "median over requests, from submission",
+        },
+    )
+
+
+def run_latency(llm: LLM, w: Workload, warmup: Workload, runs: int) -> BenchResult:
+    """Workload 2: one request; decode tokens/s = 1 / time per output token (median run)."""
+    _generate(llm, warmup)
+    counter = _StepCounter(llm)
+    samples = []
+    for _ in range(runs):
+        (out,), wall = _generate(llm, w)
+        samples.append((out.time_per_output_token, out.time_to_first_token, wall))
+    tpot, ttft, wall = sorted(samples)[len(samples) // 2]  # the median run by TPOT
+    n = w.max_tokens[0]
+    return _result(
+        requests=1,
+        output_tokens=n,
+        seconds=wall,
+        tokens_per_s=1.0 / tpot,
+        tokens_per_s_incl_prefill=n / wall,
+        ttft_s=ttft,
+        tpot_s=tpot,
+        host_time_per_step_ms=counter.host_ms_per_step(),
+        notes={"runs": runs, "tpot_runs_ms": [round(1e3 * s[0], 4) for s in samples]},
+    )
+
+
+def run_ttft(llm: LLM, w: Workload, warmup: Workload, runs: int) -> BenchResult:
+    """Workload 3: one long prompt, max_tokens 1; median time to first token."""
+    _generate(llm, warmup)
+    _generate(llm, w)  # a first long prefill allocates its activations: not timed
+    ttfts, walls = [], []
+    counter = _StepCounter(llm)
+    for _ in range(runs):
+        (out,), wall = _generate(llm, w)
+        ttfts.append(out.time_to_first_token)
+        walls.append(wall)
+    ttft = statistics.median(ttfts)
+    return _result(
+        requests=1,
+        output_tokens=1,
+        seconds=statistics.median(walls),
+        tokens_per_s=None,
+        ttft_s=ttft,
+        ttft_runs_s=ttfts,
+        host_time_per_step_ms=counter.host_ms_per_step(),
+        notes={
+            "runs": runs,
+            "prefill_tokens_per_s": round(len(w.prompts[0]) / ttft, 2),
+            "ttft_is": "from add_request to the sampled token on the host",
+        },
+    )

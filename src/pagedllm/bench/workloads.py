@@ -1,0 +1,124 @@
+"""The three standard workloads of `../shared/GPU.md`, drawn exactly as written there.
+
+Owns: the prompts (token-id lists) and per-request output lengths of each
+workload, and the check that the throughput draw is the published one. Does
+not own: running them (`ours.py`, `hf_peer.py`) or reporting (`report.py`).
+
+Invariant: `draw_throughput(256)` (no scaling) has sum(max_tokens) == 133,966,
+the figure every engine that publishes this workload reports against.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+THROUGHPUT_NUM_REQUESTS = 256
+THROUGHPUT_SUM_MAX_TOKENS = 133_966  # sum(max_tokens) of the 256-request draw
+DRAW_MIN_LEN, DRAW_MAX_LEN = 100, 1024  # prompt and output lengths are drawn in this range
+PROMPT_ID_HIGH = 10_000  # prompt ids are drawn in [0, 10000] (randint is inclusive)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompts as token ids, and the exact number of new tokens each request makes."""
+
+    name: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    description: str
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+def fold_to_vocab(ids: list[int], vocab_size: int | None) -> list[int]:
+    """Map ids into [0, vocab_size) for models smaller than the draw (tiny test models)."""
+    if vocab_size is None or vocab_size > PROMPT_ID_HIGH:
+        return ids
+    return [t % vocab_size for t in ids]
+
+
+def _scale(n: int, limit: int | None) -> int:
+    """Shrink a drawn length in proportion, so that DRAW_MAX_LEN becomes `limit`."""
+    if limit is None:
+        return n
+    return max(1, math.ceil(n * limit / DRAW_MAX_LEN))
+
+
+def draw_throughput(
+    num_requests: int = THROUGHPUT_NUM_REQUESTS,
+    max_prompt_len: int | None = None,
+    max_output_len: int | None = None,
+    vocab_size: int | None = None,
+) -> Workload:
+    """Workload 1: the GPU.md draw, with `num_requests` in place of 256.
+
+    With `max_prompt_len` / `max_output_len` (small CPU runs) every drawn length
+    is scaled by limit/1024 (rounded up): the same mix of short and long
+    requests, shorter. Prompts keep the prefix of their drawn ids.
+    """
+    # 1. The draw, verbatim from GPU.md (prompts first, then all output lengths).
+    rng = random.Random(0)
+    prompts = [
+        [rng.randint(0, PROMPT_ID_HIGH) for _ in range(rng.randint(DRAW_MIN_LEN, DRAW_MAX_LEN))]
+        for _ in range(num_requests)
+    ]
+    max_tokens = [rng.randint(DRAW_MIN_LEN, DRAW_MAX_LEN) for _ in range(num_requests)]
+    if num_requests == THROUGHPUT_NUM_REQUESTS:
+        total = sum(max_tokens)
+        assert total == THROUGHPUT_SUM_MAX_TOKENS, f"sum(max_tokens) is {total}, not 133,966"
+    # 2. Optional reduction for small machines, then fit the ids to the model.
+    prompts = [fold_to_vocab(p[: _scale(len(p), max_prompt_len)], vocab_size) for p in prompts]
+    max_tokens = [_scale(m, max_output_len) for m in max_tokens]
+    scaled = max_prompt_len is not None or max_output_len is not None
+    desc = f"{num_requests} requests drawn with random.Random(0) as in GPU.md"
+    if scaled:
+        desc += (
+            f", lengths scaled to prompt <= {max_prompt_len or DRAW_MAX_LEN}, "
+            f"output <= {max_output_len or DRAW_MAX_LEN}"
+        )
+    return Workload("throughput", prompts, max_tokens, desc)
+
+
+def random_prompt(length: int, vocab_size: int | None = None, seed: int = 0) -> list[int]:
+    """`length` random ids in [0, 10000], folded into the vocabulary if it is smaller."""
+    rng = random.Random(seed)
+    return fold_to_vocab([rng.randint(0, PROMPT_ID_HIGH) for _ in range(length)], vocab_size)
+
+
+def latency_workload(
+    prompt_len: int = 128, output_len: int = 512, vocab_size: int | None = None
+) -> Workload:
+    """Workload 2: one request, batch 1, greedy, EOS ignored."""
+    return Workload(
+        "latency",
+        [random_prompt(prompt_len, vocab_size)],
+        [output_len],
+        f"batch 1, prompt {prompt_len} tokens, {output_len} new tokens",
+    )
+
+
+def ttft_workload(prompt_len: int = 1024, vocab_size: int | None = None) -> Workload:
+    """Workload 3: one request with a long prompt and a single new token."""
+    return Workload(
+        "ttft",
+        [random_prompt(prompt_len, vocab_size)],
+        [1],
+        f"one request, prompt {prompt_len} tokens, max_tokens 1",
+    )
+
+
+def warmup_workload(vocab_size: int | None = None) -> Workload:
+    """The short request run before every measurement (not timed)."""
+    return Workload("warm-up", [random_prompt(16, vocab_size, seed=1)], [8], "warm-up")
