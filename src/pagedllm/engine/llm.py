@@ -169,7 +169,9 @@ class LLM:
                     out.text += so.new_text
                     if so.finished:
                         _finalize(so.request, out)
-                        out.logprobs = so.state.logprobs if so.state else None
+                        if so.state is not None:
+                            out.logprobs = so.state.logprobs
+                            out.prompt_logprobs = so.state.prompt_logprobs
                         bar.update(1)
                 if on_step is not None:
                     on_step(step)

@@ -23,7 +23,13 @@ from pagedllm.model import LlamaModel, load_model
 from pagedllm.model.resolve import resolve_model_path
 from pagedllm.request import FinishReason, Request, RequestStatus
 from pagedllm.runner.model_runner import ModelRunner, plan_kv_cache
-from pagedllm.sampling import Sampler, SamplingMetadata, StopStringMatcher, make_generator
+from pagedllm.sampling import (
+    Sampler,
+    SamplingMetadata,
+    StopStringMatcher,
+    compute_logprobs,
+    make_generator,
+)
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -68,6 +74,7 @@ class RequestState:
     generator: torch.Generator | None = None
     text: str = ""  # text returned so far (stop strings removed)
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -183,8 +190,16 @@ class LLMEngine:
         if not out.scheduled:
             return []
         reqs, num_new = list(out.scheduled), list(out.num_new_tokens)
-        # 2-3. Lists -> tensors -> logits of each request's last new token.
-        logits = self.runner.execute(reqs, num_new)  # (B, V) float32
+        # 2-3. Lists -> tensors -> logits of each request's last new token (and of
+        # every prompt token, for requests that asked for prompt log-probs).
+        full = frozenset(
+            i
+            for i, r in enumerate(reqs)
+            if r.sampling_params.prompt_logprobs is not None and r.num_computed_tokens == 0
+        )
+        logits = self.runner.execute(reqs, num_new, full)  # (B or more, V) float32
+        if full:
+            logits = self._record_prompt_logprobs(logits, reqs, num_new, full)
         # 4. Sample; the sampled ids are the one device-to-host copy.
         states = [self.states[r.request_id] for r in reqs]
         meta = SamplingMetadata.from_requests(
@@ -206,6 +221,35 @@ class LLMEngine:
             if new_ids or req.is_finished:
                 results.append(self._postprocess(req, state, new_ids))
         return results
+
+    def _record_prompt_logprobs(
+        self, logits: torch.Tensor, reqs: list[Request], num_new: list[int], full: frozenset[int]
+    ) -> torch.Tensor:
+        """Store prompt log-probs (vLLM's format: None for the first token, then
+        {id: logprob} with the prompt's own token and the top k); return the
+        (B, V) logits of each request's last token."""
+        last_rows, row = [], 0
+        for i, (req, n) in enumerate(zip(reqs, num_new)):
+            if i not in full:
+                last_rows.append(row)
+                row += 1
+                continue
+            k = req.sampling_params.prompt_logprobs
+            prompt = req.prompt_token_ids
+            entries: list[dict[int, float] | None] = [None]
+            if n > 1:
+                target = torch.tensor(prompt[1:n], device=logits.device)
+                lp = compute_logprobs(logits[row : row + n - 1], k, target)
+                ids, tok = lp.token_ids.tolist(), lp.token_logprobs.tolist()
+                top_ids, top_lp = lp.topk_ids.tolist(), lp.topk_logprobs.tolist()
+                for j in range(n - 1):
+                    entry = dict(zip(top_ids[j][:k], top_lp[j][:k]))
+                    entry[ids[j]] = tok[j]
+                    entries.append(entry)
+            self.states[req.request_id].prompt_logprobs = entries
+            row += n
+            last_rows.append(row - 1)
+        return logits[torch.tensor(last_rows, device=logits.device)]
 
     def _record_logprobs(self, lp, reqs, states, before) -> None:
         ids, token_lp = lp.token_ids.tolist(), lp.token_logprobs.tolist()

@@ -126,8 +126,18 @@ class ModelRunner:
             return t.to(self.device, non_blocking=True)
         return t.to(self.device)
 
-    def prepare(self, scheduled: Sequence[Request], num_new_tokens: Sequence[int]) -> ForwardBatch:
-        """Flatten the scheduled requests' new tokens into one ForwardBatch."""
+    def prepare(
+        self,
+        scheduled: Sequence[Request],
+        num_new_tokens: Sequence[int],
+        all_logits_rows: frozenset[int] = frozenset(),
+    ) -> ForwardBatch:
+        """Flatten the scheduled requests' new tokens into one ForwardBatch.
+
+        Logits are wanted for each sequence's last new token, and for every new
+        token of the sequences in `all_logits_rows` (prompt log-probs); in that
+        case the rows of each sequence are contiguous and its last comes last.
+        """
         bs = self.block_size
         num_seqs = len(scheduled)
         total = sum(num_new_tokens)
@@ -164,26 +174,44 @@ class ModelRunner:
             block_tables=dev(block_tables, torch.int32),
             seq_lens=dev(seq_lens, torch.int32),
             cu_seqlens_q=dev(cu_seqlens, torch.int32),
-            logits_indices=dev(cu_seqlens[1:].astype(np.int64) - 1, torch.long),
+            logits_indices=dev(_logits_indices(cu_seqlens, all_logits_rows), torch.long),
             is_decode=total == num_seqs,
             max_q_len=int(max(num_new_tokens)),
             max_seq_len=int(seq_lens.max()),
         )
 
     @torch.inference_mode()
-    def execute(self, scheduled: Sequence[Request], num_new_tokens: Sequence[int]) -> torch.Tensor:
-        """Run one step; return (B, V) float32 logits of each scheduled request's last token."""
+    def execute(
+        self,
+        scheduled: Sequence[Request],
+        num_new_tokens: Sequence[int],
+        all_logits_rows: frozenset[int] = frozenset(),
+    ) -> torch.Tensor:
+        """Run one step; return float32 logits: one row per scheduled request (its
+        last token), or, when `all_logits_rows` is given, one row per token of
+        those requests and one per other request, in batch order."""
         t0 = time.perf_counter()
         is_decode = all(n == 1 for n in num_new_tokens)
         if is_decode and self.graphs is not None and self.graphs.can_run(len(scheduled)):
             logits = self.graphs.run(scheduled)
         else:
-            batch = self.prepare(scheduled, num_new_tokens)
+            batch = self.prepare(scheduled, num_new_tokens, all_logits_rows)
             hidden = self.model.forward(batch, self.kv_caches)
             logits = self.model.compute_logits(hidden)
         self.host_time_s += time.perf_counter() - t0
         self.num_steps += 1
         return logits
+
+
+def _logits_indices(cu_seqlens: np.ndarray, all_rows: frozenset[int]) -> np.ndarray:
+    last = cu_seqlens[1:].astype(np.int64) - 1
+    if not all_rows:
+        return last
+    parts = [
+        np.arange(cu_seqlens[i], cu_seqlens[i + 1]) if i in all_rows else last[i : i + 1]
+        for i in range(len(last))
+    ]
+    return np.concatenate(parts).astype(np.int64)
 
 
 def _tokens_between(req: Request, start: int, end: int) -> list[int]:
