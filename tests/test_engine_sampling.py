@@ -86,7 +86,9 @@ def naive_penalised_greedy(model, prompt, n, rep=1.0, presence=0.0, frequency=0.
     return out
 
 
-@pytest.mark.parametrize("rep,presence,frequency", [(1.8, 0.0, 0.0), (1.0, -1.5, -0.7), (1.0, 0.0, -2.0)])
+@pytest.mark.parametrize(
+    "rep,presence,frequency", [(1.8, 0.0, 0.0), (1.0, -1.5, -0.7), (1.0, 0.0, -2.0)]
+)
 def test_penalties_follow_the_formula(tiny, llm, rep, presence, frequency):
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     # A prompt that already holds its own greedy continuation invites repeats.

@@ -12,11 +12,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
+
+gguf = pytest.importorskip("gguf")
 import torch
-from gguf import GGMLQuantizationType as Q
+
+Q = gguf.GGMLQuantizationType
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -170,7 +170,10 @@ def run_throughput(
     except ImportError:  # older transformers: no hints
         pass
     cm = hf.continuous_batching_context_manager
-    with torch.inference_mode(), cm(**_only_known(cm, cm_kwargs)) as manager:
+    # no_grad, not inference_mode: transformers' manager updates its tensors from
+    # its own thread, outside our inference mode (transformers 5.17 then fails with
+    # "Inplace update to inference tensor outside InferenceMode").
+    with torch.no_grad(), cm(**_only_known(cm, cm_kwargs)) as manager:
         _cb_run(manager, warmup)  # not timed: first batches allocate
         _sync(device)
         t0 = time.perf_counter()
