@@ -95,8 +95,9 @@ def test_prefill_logprobs_match_transformers_bf16(bf16_pair):
 
 def test_paged_decode_logprobs_match_transformers_bf16(bf16_pair):
     """Generate through the engine (prefill, then CUDA-graph decode through the
-    pages) and compare each sampled token's log-prob with transformers'
-    teacher-forced log-prob of the same token."""
+    pages) with the top-20 log-probs of every step, and compare them with
+    transformers' teacher-forced log-probs of the same ids: our bf16 error against
+    transformers in float32 is within 2e-2, or no worse than transformers' own bf16."""
     from pagedllm import LLM, SamplingParams
 
     hf, ours = bf16_pair
@@ -106,22 +107,33 @@ def test_paged_decode_logprobs_match_transformers_bf16(bf16_pair):
         for n in (17, 130, 700)
     ]
     outs = llm.generate(
-        prompts, SamplingParams(max_tokens=24, temperature=0, logprobs=1, ignore_eos=True)
+        prompts, SamplingParams(max_tokens=24, temperature=0, logprobs=20, ignore_eos=True)
     )
+    errs_ours, errs_hf, disagree = [], [], 0
     for p, o in zip(prompts, outs):
-        ids = p + o.token_ids
+        ids = torch.tensor([p + o.token_ids], device="cuda")
         with torch.no_grad():
-            lp = torch.log_softmax(hf(torch.tensor([ids], device="cuda")).logits[0].float(), -1)
-        rows = lp[len(p) - 1 : -1]  # (n, V): the distribution each new token was drawn from
-        ref = torch.stack([rows[i, t] for i, t in enumerate(o.token_ids)])
-        got = torch.tensor([o.logprobs[i][t] for i, t in enumerate(o.token_ids)], device="cuda")
-        err = ((got - ref).norm() / ref.norm()).item()
-        assert err < 2e-2, (got, ref)
-        # The engine's greedy picks are transformers' argmax wherever that is clear.
-        top2 = rows.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > 0.05
-        picks = rows.argmax(-1)
-        assert (picks[clear] == torch.tensor(o.token_ids, device="cuda")[clear]).all()
+            hf16 = torch.log_softmax(hf(ids).logits[0].float(), -1)[len(p) - 1 : -1]
+            to_dtype(hf, torch.float32)
+            hf32 = torch.log_softmax(hf(ids).logits[0].float(), -1)[len(p) - 1 : -1]
+            to_dtype(hf, torch.bfloat16)
+        for i, entry in enumerate(o.logprobs):
+            keys = torch.tensor(list(entry), device="cuda")
+            got = torch.tensor(list(entry.values()), device="cuda")
+            ref, other = hf32[i, keys], hf16[i, keys]
+            scale = (ref - ref.mean()).norm()
+            errs_ours.append(((got - ref).norm() / scale).item())
+            errs_hf.append(((other - ref).norm() / scale).item())
+            top2 = hf32[i].topk(2).values
+            if top2[0] - top2[1] > 0.25:  # a clear winner: greedy must pick it
+                disagree += int(hf32[i].argmax().item() != o.token_ids[i])
+    ours_err = sum(errs_ours) / len(errs_ours)
+    hf_err = sum(errs_hf) / len(errs_hf)
+    print(
+        f"decode top-20 log-prob error vs float32: pagedllm {ours_err:.4f}, transformers bf16 {hf_err:.4f}"
+    )
+    assert ours_err < max(2e-2, 1.25 * hf_err)
+    assert disagree == 0
 
 
 def test_batched_equals_single_greedy_fp32():
