@@ -126,7 +126,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=max(config.max_num_batched_tokens, max_model_len),
+                max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=max_model_len,
                 batching=config.batching,
             ),

@@ -27,6 +27,7 @@ from pagedllm.model.cpu_blas import numpy_matmul_ok
 from pagedllm.ops.reference import rope_cos_sin_cache
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: (NB, BS, Hkv, D) each
+NUMPY_MATMUL_MAX_ROWS = 32  # CPU projections of at most this many tokens go through numpy
 
 
 @dataclass
@@ -154,9 +155,10 @@ class LlamaModel:
         """x (T, in) times a weight matrix -> (T, out), whichever layout it is stored in."""
         if not self.weights_transposed:
             return F.linear(x, w)  # cuBLAS
-        if x.dtype == torch.float32 and numpy_matmul_ok():
-            # numpy's BLAS streams CPU weights faster than torch's (see cpu_blas.py).
-            # Both views are zero-copy.
+        if x.shape[0] <= NUMPY_MATMUL_MAX_ROWS and x.dtype == torch.float32 and numpy_matmul_ok():
+            # Few rows (decode): numpy's BLAS streams CPU weights faster than torch's
+            # (see cpu_blas.py); many rows (prefill) stay on torch's multi-threaded
+            # GEMM, since numpy's BLAS is pinned to one thread. Zero-copy views.
             return torch.from_numpy(np.matmul(x.numpy(), w.numpy()))
         return x @ w
 

@@ -183,12 +183,17 @@ def prefill_attention(
         qf = q[start:end].float().transpose(0, 1)  # (H, q_len, D)
         kf = kb.float().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, seq_len, D)
         vf = vb.float().repeat_interleave(group, dim=1).transpose(0, 1)
-        q_pos = torch.arange(ctx_len, seq_len, device=q.device)[:, None]
-        k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        allowed = k_pos <= q_pos  # (q_len, seq_len): causal, shifted by the cached prefix
-        # softmax(q k^T * scale, masked) @ v, computed by PyTorch's fused SDPA.
-        o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=allowed, scale=scale)
-        out[start:end] = o.transpose(0, 1).to(q.dtype)
+        # softmax(q k^T * scale, causally masked) @ v, computed by PyTorch's fused SDPA
+        # (given 4-D inputs: with 3-D ones it falls back to a path 4x slower on the CPU).
+        qf, kf, vf = qf[None], kf[None], vf[None]  # (1, H, n, D)
+        if ctx_len == 0:  # no cached prefix: plain causal (SDPA's flash path)
+            o = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale)
+        else:
+            q_pos = torch.arange(ctx_len, seq_len, device=q.device)[:, None]
+            k_pos = torch.arange(seq_len, device=q.device)[None, :]
+            allowed = k_pos <= q_pos  # (q_len, seq_len): causal, shifted by the prefix
+            o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=allowed, scale=scale)
+        out[start:end] = o[0].transpose(0, 1).to(q.dtype)
     return out
 
 
@@ -207,47 +212,46 @@ def decode_attention(
     seq_lens (B,) including the new token (already stored). Online softmax:
     keep a running max m, denominator l and weighted sum acc per head and
     rescale them as each page arrives, so no (H, seq_len) score row is ever
-    held. Returns (B, H, D). `max_seq_len` is a host-side hint (ignored here).
+    held. Returns (B, H, D). `max_seq_len`, when given, is the longest seq_len
+    (a host-side int, so no device sync is needed to size the loop).
     """
     batch, num_heads, head_dim = q.shape
     bs, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    max_pages = -(-int(seq_lens.max()) // bs) if batch else 0
+    longest = max_seq_len if max_seq_len else (int(seq_lens.max()) if batch else 0)
+    max_pages = min(-(-longest // bs), block_tables.shape[1])
     qf = q.float().view(batch, num_kv_heads, group, head_dim)  # (B, Hkv, G, D)
-    m = torch.full((batch, num_kv_heads, group), float("-inf"), device=q.device)
-    denom = torch.zeros((batch, num_kv_heads, group), device=q.device)
-    acc = torch.zeros((batch, num_kv_heads, group, head_dim), device=q.device)
     lens = seq_lens.long()[:, None]  # (B, 1)
 
-    def chunk_scores(p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scores (B, Hkv, G, n) of pages p0..p1 (invalid tokens -inf) and their V."""
+    def gather(p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K, V (B, Hkv, n, D) of pages p0..p1 and which of their n tokens are valid."""
         pages = block_tables[:, p0:p1].long()  # (B, C)
         n = (p1 - p0) * bs
         kp = k_cache[pages].float().view(batch, n, num_kv_heads, head_dim).transpose(1, 2)
         vp = v_cache[pages].float().view(batch, n, num_kv_heads, head_dim).transpose(1, 2)
-        s = (qf @ kp.transpose(-1, -2)) * scale  # (B, Hkv, G, n)
         valid = (p0 * bs + torch.arange(n, device=q.device)[None, :]) < lens  # (B, n)
-        return s.masked_fill(~valid[:, None, None, :], float("-inf")), vp
+        return kp, vp, valid
 
     chunk_tokens = min(4096, max(256, DECODE_CHUNK_ELEMENTS // (batch * num_kv_heads * head_dim)))
     step = max(1, chunk_tokens // bs)  # pages per chunk
-    if max_pages <= step and bool((seq_lens > 0).all()):
+    if max_pages <= step:
         # The whole context is one chunk, where the online softmax is a plain softmax:
         # one fused SDPA call (the common case on the CPU, where every PyTorch op
         # costs ~10 us of overhead: this took SmolLM2's batch-1 step from 41 to 36 ms).
-        pages = block_tables[:, :max_pages].long()  # (B, C)
-        n = max_pages * bs
-        kp = k_cache[pages].float().view(batch, n, num_kv_heads, head_dim).transpose(1, 2)
-        vp = v_cache[pages].float().view(batch, n, num_kv_heads, head_dim).transpose(1, 2)
-        valid = torch.arange(n, device=q.device)[None, :] < lens  # (B, n)
+        kp, vp, valid = gather(0, max_pages)
         out = F.scaled_dot_product_attention(
             qf, kp, vp, attn_mask=valid[:, None, None, :], scale=scale
-        )
+        ).nan_to_num(0.0)  # a seq_len 0 row (nothing valid) comes out as zeros
         return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+    m = torch.full((batch, num_kv_heads, group), float("-inf"), device=q.device)
+    denom = torch.zeros((batch, num_kv_heads, group), device=q.device)
+    acc = torch.zeros((batch, num_kv_heads, group, head_dim), device=q.device)
     # All sequences advance together, a chunk of pages at a time: the same online
     # softmax as one page at a time, with fewer, larger PyTorch ops.
     for p0 in range(0, max_pages, step):
-        s, vp = chunk_scores(p0, min(p0 + step, max_pages))
+        kp, vp, valid = gather(p0, min(p0 + step, max_pages))
+        s = (qf @ kp.transpose(-1, -2)) * scale  # (B, Hkv, G, n)
+        s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
         m_new = torch.maximum(m, s.amax(dim=-1))
         # A sequence with nothing seen yet keeps m = -inf; use 0 as its baseline.
         base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
