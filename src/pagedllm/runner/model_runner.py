@@ -146,7 +146,10 @@ class ModelRunner:
         slot_mapping = np.empty(total, dtype=np.int64)
         seq_lens = np.empty(num_seqs, dtype=np.int32)
         cu_seqlens = np.zeros(num_seqs + 1, dtype=np.int32)
-        max_blocks = max(len(r.block_table) for r in scheduled)
+        # Width rounded up to a multiple of 16: Triton specializes integer arguments
+        # (this row stride) on divisibility by 16, and a width that changes that
+        # from step to step recompiles the prefill kernel (~0.5 s each time).
+        max_blocks = -(-max(len(r.block_table) for r in scheduled) // 16) * 16
         block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
         pos = 0
         for i, (req, n) in enumerate(zip(scheduled, num_new_tokens)):
