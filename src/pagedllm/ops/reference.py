@@ -225,7 +225,9 @@ def decode_attention(
 
     def gather(p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """K, V (B, Hkv, n, D) of pages p0..p1 and which of their n tokens are valid."""
-        pages = block_tables[:, p0:p1].reshape(-1).long()  # (B*C,)
+        # (B*C,); padding entries past a sequence's pages may hold anything: clamp
+        # them to a real page (their tokens are masked out below).
+        pages = block_tables[:, p0:p1].reshape(-1).long().clamp(0, k_cache.shape[0] - 1)
         n = (p1 - p0) * bs
         # index_select copies whole pages (4x faster than k_cache[pages] on the CPU).
         kp = k_cache.index_select(0, pages).float().view(batch, n, num_kv_heads, head_dim)
