@@ -161,3 +161,26 @@ def test_smollm2_chat_stops_on_eos(smollm2):
         assert out.token_ids[-1] in smollm2.config.eos_token_ids
         assert "<|im_end|>" not in out.text
     assert out.time_to_first_token is not None and out.time_to_first_token > 0
+
+
+def test_bad_prompt_is_rejected_alone_and_leaves_nothing_behind(tiny):
+    _, _, model = tiny
+    llm = LLM(model=model, kv_cache_mib=4)
+    vocab = model.config.vocab_size
+    outs = llm.generate([[5, 6, 7], [3, vocab + 5]], greedy(4))
+    assert len(outs[0].token_ids) == 4
+    assert outs[1].finish_reason == "rejected" and "vocabulary" in outs[1].error
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([[vocab]], greedy(4))
+    # Nothing half-submitted lingers: the next call runs normally.
+    assert llm.generate([[8, 9]], greedy(3))[0].token_ids
+    assert not llm.engine.has_unfinished()
+    assert llm.stats()["pages_free"] == llm.stats()["pages_total"]
+
+
+def test_stop_strings_without_a_tokenizer_are_refused(tiny):
+    _, _, model = tiny
+    llm = LLM(model=model, kv_cache_mib=4)
+    assert llm.tokenizer is None
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=4, stop=["x"]))

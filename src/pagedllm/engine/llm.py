@@ -146,22 +146,25 @@ class LLM:
         t0 = time.perf_counter()
         outputs: list[RequestOutput] = []
         live: dict[int, tuple[Request, RequestOutput]] = {}
-        for text, ids, sp in zip(texts, token_lists, params):
-            out = RequestOutput(None, text, ids)
-            try:
-                req = self.engine.add_request(ids, sp, stream=on_step is not None)
-            except RequestRejected as e:
-                if len(token_lists) == 1:
-                    raise
-                out.finish_reason, out.error = str(FinishReason.REJECTED), str(e)
-            else:
-                out.request_id = req.request_id
-                live[req.request_id] = (req, out)
-            outputs.append(out)
-
-        show = use_tqdm if use_tqdm is not None else len(live) >= 16
-        bar = tqdm(total=len(live), desc="requests", unit="req", disable=not show)
+        bar = None
         try:
+            # 1. Submit. A request that can never run is rejected alone (or raises,
+            #    when it is the only one); the others go on.
+            for text, ids, sp in zip(texts, token_lists, params):
+                out = RequestOutput(None, text, ids)
+                try:
+                    req = self.engine.add_request(ids, sp, stream=on_step is not None)
+                except RequestRejected as e:
+                    if len(token_lists) == 1:
+                        raise
+                    out.finish_reason, out.error = str(FinishReason.REJECTED), str(e)
+                else:
+                    out.request_id = req.request_id
+                    live[req.request_id] = (req, out)
+                outputs.append(out)
+            # 2. Step until every request is done.
+            show = use_tqdm if use_tqdm is not None else len(live) >= 16
+            bar = tqdm(total=len(live), desc="requests", unit="req", disable=not show)
             while self.engine.has_unfinished():
                 step = self.engine.step()
                 for so in step:
@@ -176,11 +179,12 @@ class LLM:
                 if on_step is not None:
                     on_step(step)
         except BaseException:
-            for req, _ in live.values():  # never leave pages reserved behind us
+            for req, _ in live.values():  # never leave requests or pages behind us
                 self.engine.abort(req)
             raise
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
         wall = time.perf_counter() - t0
         n_out = sum(len(o.token_ids) for o in outputs)
         self._last_run = {

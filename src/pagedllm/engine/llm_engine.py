@@ -121,6 +121,9 @@ class LLMEngine:
             f"KV cache: {kv_spec.num_blocks} pages x {kv_spec.block_size} tokens = "
             f"{kv_spec.num_tokens} tokens, {kv_spec.mib:.1f} MiB ({why})"
         )
+        if model.device.type == "cuda":
+            # Triton launches and graph capture use the current device.
+            torch.cuda.set_device(model.device)
         self.runner = ModelRunner(model, kv_spec, max_model_len, config.max_num_seqs)
         self.block_manager = BlockManager(kv_spec.num_blocks, kv_spec.block_size)
         self.scheduler = Scheduler(
@@ -146,33 +149,47 @@ class LLMEngine:
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, stream: bool = False
     ) -> Request:
-        """Queue a request; raises RequestRejected (a ValueError) if it can never run."""
+        """Queue a request; raises RequestRejected (a ValueError) if it can never run.
+
+        A rejected request is never queued, so it costs the others nothing."""
         params = params.resolved(self.generation_defaults)
-        vocab = self.model.config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         req = Request(
             request_id=next(self._ids),
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
         )
-        self.scheduler.add_request(req)  # raises RequestRejected with the numbers
+        vocab = self.model.config.vocab_size
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            self._reject(req, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            self._reject(
+                req, "stop strings need a tokenizer, and this model has none; use stop_token_ids"
+            )
+        # Build the engine-side state first, so nothing half-made is ever queued.
         matcher = StopStringMatcher.from_params(params) if params.stop else None
         detok = None
         if self.tokenizer is not None and (stream or matcher is not None):
             detok = IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=params.skip_special_tokens
             )
-        self.states[req.request_id] = RequestState(
+        state = RequestState(
             req,
             detok,
             matcher,
             generator=make_generator(params.seed, self.model.device),
             logprobs=[] if params.logprobs is not None else None,
         )
+        self.scheduler.add_request(req)  # raises RequestRejected with the numbers
+        self.states[req.request_id] = state
         return req
+
+    @staticmethod
+    def _reject(req: Request, message: str) -> None:
+        req.error = message
+        req.finish(FinishReason.REJECTED)
+        raise RequestRejected(message)
 
     def abort(self, req: Request) -> None:
         if not req.is_finished:

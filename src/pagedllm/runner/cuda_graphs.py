@@ -46,9 +46,6 @@ class DecodeGraphs:
         width = runner.max_blocks_per_seq
         n = self.max_bs
         # Device buffers the graphs read (their addresses are baked into the graphs).
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros((n, width), dtype=torch.int32, device=dev)
         self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=dev)
@@ -128,8 +125,9 @@ class DecodeGraphs:
                 width = max(width, len(table))
         h[2, b:bucket] = -1
         hi[b:bucket] = 0
-        self.d_long[:, :bucket].copy_(self.h_long[:, :bucket], non_blocking=True)
-        self.seq_lens[:bucket].copy_(self.h_int[:bucket], non_blocking=True)
+        # Whole buffers (6 KB): a contiguous pinned source keeps the copies asynchronous.
+        self.d_long.copy_(self.h_long, non_blocking=True)
+        self.seq_lens.copy_(self.h_int, non_blocking=True)
         if hi_row >= lo:
             rows = slice(lo, hi_row + 1)
             self.block_tables[rows, :width].copy_(self.h_tables[rows, :width], non_blocking=True)

@@ -21,6 +21,7 @@ import torch
 
 from pagedllm.model.batch import ForwardBatch
 from pagedllm.model.llama import KVCache, LlamaModel
+from pagedllm.ops import implementation_name
 from pagedllm.request import Request
 
 MiB = 1 << 20
@@ -107,9 +108,13 @@ class ModelRunner:
         ]
         self.pin = self.device.type == "cuda"
         if use_cuda_graphs is None:
-            use_cuda_graphs = self.device.type == "cuda" and os.environ.get(
-                "PAGEDLLM_CUDA_GRAPHS", "1"
-            ) not in ("0", "false")
+            # Graphs need the Triton kernels: their padding rows (slot -1) are no-ops
+            # there, while the reference store would wrap -1 to the pool's last slot.
+            use_cuda_graphs = (
+                self.device.type == "cuda"
+                and implementation_name(self.device) == "triton"
+                and os.environ.get("PAGEDLLM_CUDA_GRAPHS", "1") not in ("0", "false")
+            )
         self.graphs = None
         if use_cuda_graphs:
             from pagedllm.runner.cuda_graphs import DecodeGraphs
