@@ -24,10 +24,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedllm.bench.tokenizer_bench import hf_reference, llama3_tokenizer_json
+from pagedllm.gguf_metadata import read_gguf_metadata
 from pagedllm.model.resolve import default_model_path
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
 from pagedllm.tokenizer.bytelevel import bytes_to_symbols
-from pagedllm.tokenizer.gguf_meta import read_gguf_kv
 
 LLAMA3_JSON = llama3_tokenizer_json()
 CORPUS = Path(__file__).parent / "tokenizer_corpus"
@@ -248,7 +248,7 @@ def test_llama3_gguf_matches_tokenizer_json(llama3_gguf: Path) -> None:
 def test_gguf_metadata_reader_matches_gguf_package() -> None:
     gguf = pytest.importorskip("gguf")
     path = default_model_path()
-    ours = read_gguf_kv(path)
+    ours = read_gguf_metadata(path)
     reader = gguf.GGUFReader(str(path))  # ~8 s: builds numpy views per element
     for name, field in reader.fields.items():
         if name.startswith("GGUF."):

@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from pagedllm.gguf_metadata import read_gguf_metadata
 from pagedllm.tokenizer import Tokenizer
-from pagedllm.tokenizer.gguf_meta import read_gguf_kv
 from pagedllm.tokenizer.pretokenize import LLAMA3_PATTERN
 
 CORPUS_DIR = Path(__file__).resolve().parents[3] / "tests" / "tokenizer_corpus"
@@ -59,7 +59,7 @@ def hf_reference(path: str | Path) -> Any:
         path = path / "tokenizer.json"
     if path.suffix.lower() != ".gguf":
         return HFTokenizer.from_file(str(path))
-    meta = read_gguf_kv(path, prefix="tokenizer.")
+    meta = read_gguf_metadata(path, prefix="tokenizer.")
     pre = meta["tokenizer.ggml.pre"]
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)

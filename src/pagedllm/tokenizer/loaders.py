@@ -29,7 +29,7 @@ from itertools import repeat
 from pathlib import Path
 from typing import Any
 
-from pagedllm.tokenizer.gguf_meta import read_gguf_kv
+from pagedllm.gguf_metadata import read_gguf_metadata
 from pagedllm.tokenizer.pretokenize import (
     PreTokenizer,
     from_gguf_pre,
@@ -273,7 +273,7 @@ def _id_to_string(spec: TokenizerSpec, token_id: int) -> str:
 
 
 def load_gguf(path: str | Path) -> TokenizerSpec:
-    meta = read_gguf_kv(path, prefix="tokenizer.")
+    meta = read_gguf_metadata(path, prefix="tokenizer.")
     return spec_from_gguf_metadata(meta, source=str(path))
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import struct
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,13 +42,12 @@ from typing import Any, NoReturn
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-GGUF_MAGIC = b"GGUF"
-SUPPORTED_VERSIONS = (2, 3)
+from pagedllm.gguf_metadata import GGUFCursor, read_header
+
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS in ggml.h
-MAX_ARRAY_NESTING = 8  # arrays of arrays are legal; deeper than this is corruption
 
 Q = GGMLQuantizationType
 
@@ -195,21 +193,6 @@ def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType, dtype: torch.dtyp
 # ----- the container --------------------------------------------------------------------------
 
 # value type -> (struct format, numpy dtype) for the fixed-size scalars
-_SCALARS: dict[int, tuple[struct.Struct, np.dtype]] = {
-    GGUFValueType.UINT8: (struct.Struct("<B"), np.dtype("<u1")),
-    GGUFValueType.INT8: (struct.Struct("<b"), np.dtype("<i1")),
-    GGUFValueType.UINT16: (struct.Struct("<H"), np.dtype("<u2")),
-    GGUFValueType.INT16: (struct.Struct("<h"), np.dtype("<i2")),
-    GGUFValueType.UINT32: (struct.Struct("<I"), np.dtype("<u4")),
-    GGUFValueType.INT32: (struct.Struct("<i"), np.dtype("<i4")),
-    GGUFValueType.FLOAT32: (struct.Struct("<f"), np.dtype("<f4")),
-    GGUFValueType.BOOL: (struct.Struct("<B"), np.dtype("<u1")),  # any non-zero byte is true
-    GGUFValueType.UINT64: (struct.Struct("<Q"), np.dtype("<u8")),
-    GGUFValueType.INT64: (struct.Struct("<q"), np.dtype("<i8")),
-    GGUFValueType.FLOAT64: (struct.Struct("<d"), np.dtype("<f8")),
-}
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -229,87 +212,6 @@ class GGUFTensorInfo:
     @property
     def supported(self) -> bool:
         return self.type_name in SUPPORTED_TYPES
-
-
-class _Cursor:
-    """Bounds-checked little-endian reads from a buffer; every overrun is a ValueError."""
-
-    def __init__(self, buf: Any, size: int, fail: Callable[[str], NoReturn]):
-        self.buf, self.size, self.pos, self.fail = buf, size, 0, fail
-
-    def take(self, n: int, what: str) -> int:
-        """Claim `n` bytes; returns where they start."""
-        if n > self.size - self.pos:
-            self.fail(
-                f"truncated: {what} needs {n} bytes at offset {self.pos}, file is {self.size}"
-            )
-        start = self.pos
-        self.pos += n
-        return start
-
-    def u32(self, what: str) -> int:
-        return _U32.unpack_from(self.buf, self.take(4, what))[0]
-
-    def u64(self, what: str) -> int:
-        return _U64.unpack_from(self.buf, self.take(8, what))[0]
-
-    def string(self, what: str) -> str:
-        n = self.u64(what)
-        start = self.take(n, what)
-        return self._decode(self.buf[start : start + n], what)
-
-    def _decode(self, raw: bytes, what: str) -> str:
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            self.fail(f"{what} is not valid UTF-8 ({e})")
-
-    def string_array(self, count: int, what: str) -> list[str]:
-        """`count` strings, decoded in one tight loop (128k-token vocabularies take ~0.1 s)."""
-        if count * 8 > self.size - self.pos:
-            self.fail(f"truncated: {what} claims {count} strings, more than the bytes left")
-        buf, size, pos, unpack = self.buf, self.size, self.pos, _U64.unpack_from
-        out: list[str] = []
-        append = out.append
-        for _ in range(count):
-            if pos + 8 > size:
-                self.fail(f"truncated inside {what}")
-            (n,) = unpack(buf, pos)
-            pos += 8
-            if n > size - pos:
-                self.fail(f"truncated inside {what}: a string of {n} bytes at offset {pos}")
-            append(self._decode(buf[pos : pos + n], what))
-            pos += n
-        self.pos = pos
-        return out
-
-    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
-        """One metadata value of type `vtype`, as plain Python (lists for arrays)."""
-        if vtype in _SCALARS:
-            fmt, _ = _SCALARS[vtype]
-            (v,) = fmt.unpack_from(self.buf, self.take(fmt.size, what))
-            return bool(v) if vtype == GGUFValueType.BOOL else v
-        if vtype == GGUFValueType.STRING:
-            return self.string(what)
-        if vtype != GGUFValueType.ARRAY:
-            self.fail(f"{what} has unknown value type id {vtype}")
-        if depth >= MAX_ARRAY_NESTING:
-            self.fail(f"{what}: arrays nested more than {MAX_ARRAY_NESTING} deep")
-        itype = self.u32(what)
-        count = self.u64(what)
-        if itype in _SCALARS:
-            _, dt = _SCALARS[itype]
-            start = self.take(count * dt.itemsize, what)  # checks count against the bytes left
-            arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=start)
-            return (arr != 0).tolist() if itype == GGUFValueType.BOOL else arr.tolist()
-        if itype == GGUFValueType.STRING:
-            return self.string_array(count, what)
-        if itype == GGUFValueType.ARRAY:
-            # each inner array is at least 12 bytes (type + count): bounds the loop
-            if count * 12 > self.size - self.pos:
-                self.fail(f"truncated: {what} claims {count} arrays, more than the bytes left")
-            return [self.value(itype, what, depth + 1) for _ in range(count)]
-        self.fail(f"{what} is an array of unknown value type id {itype}")
 
 
 class GGUFFile:
@@ -333,7 +235,7 @@ class GGUFFile:
         except OSError as e:
             raise ValueError(f"{self.path}: cannot read GGUF file: {e}") from e
         try:
-            self._parse(_Cursor(self._mmap, self.file_size, self._fail))
+            self._parse(GGUFCursor(self._mmap, self.file_size, self._fail))
         except ValueError:
             self.close()
             raise
@@ -346,36 +248,9 @@ class GGUFFile:
     def _fail(self, defect: str) -> NoReturn:
         raise ValueError(f"{self.path}: invalid GGUF file: {defect}")
 
-    def _parse(self, cur: _Cursor) -> None:
-        # 1. magic, version, counts
-        magic = bytes(cur.buf[:4])
-        if magic != GGUF_MAGIC:
-            self._fail(f"bad magic {magic!r} (expected {GGUF_MAGIC!r}): not a GGUF file")
-        cur.take(4, "magic")
-        version = cur.u32("version")
-        if version & 0xFFFF == 0 and version != 0:
-            self._fail("big-endian GGUF files are not supported")
-        if version not in SUPPORTED_VERSIONS:
-            self._fail(f"unsupported GGUF version {version} (supported: {SUPPORTED_VERSIONS})")
-        self.version = version
-        n_tensors = cur.u64("tensor count")
-        n_kv = cur.u64("key/value count")
-        # Each key/value needs >= 13 bytes and each tensor info >= 24: a count that
-        # cannot fit is corruption, reported before we loop on it.
-        if n_kv * 13 + n_tensors * 24 > self.file_size - cur.pos:
-            self._fail(
-                f"truncated or corrupt: {n_kv} key/values and {n_tensors} tensors cannot fit "
-                f"in the {self.file_size - cur.pos} bytes left"
-            )
-
-        # 2. key/values
-        self.metadata: dict[str, Any] = {}
-        for i in range(n_kv):
-            key = cur.string(f"key #{i}")
-            if key in self.metadata:
-                self._fail(f"duplicate metadata key {key!r}")
-            vtype = cur.u32(f"type of {key!r}")
-            self.metadata[key] = cur.value(vtype, f"metadata {key!r}")
+    def _parse(self, cur: GGUFCursor) -> None:
+        # 1-2. magic, version, counts, key/values (shared with the tokenizer)
+        self.version, n_tensors, self.metadata = read_header(cur, self._fail)
 
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         if (
