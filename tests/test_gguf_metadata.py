@@ -22,13 +22,13 @@ def smol_bytes() -> bytes:
         return f.read(2_000_000)  # the header (key/values and tensor infos) and more
 
 
-def test_reads_the_default_model_header():
-    md = read_gguf_metadata(default_model_path())
+def test_reads_the_default_model_header(smollm2_path):
+    md = read_gguf_metadata(smollm2_path)
     assert md["general.architecture"] == "llama"
     assert md["llama.block_count"] == 30
     assert len(md["tokenizer.ggml.tokens"]) == 49152
     assert md["tokenizer.ggml.add_bos_token"] is False
-    only = read_gguf_metadata(default_model_path(), prefix="tokenizer.")
+    only = read_gguf_metadata(smollm2_path, prefix="tokenizer.")
     assert only and all(k.startswith("tokenizer.") for k in only)
 
 
