@@ -120,8 +120,11 @@ class LLM:
                 list(conv), add_generation_prompt=add_generation_prompt
             )
             texts.append(text)
-            # The template already holds BOS and the special tokens, as text.
-            token_lists.append(self.tokenizer.encode(text, add_special_tokens=False))
+            # The template holds BOS and the control tokens as text; a control-token
+            # string typed inside a message stays plain text.
+            token_lists.append(
+                self.tokenizer.encode_chat(list(conv), add_generation_prompt=add_generation_prompt)
+            )
         return self._run(texts, token_lists, sampling_params, use_tqdm, on_step)
 
     def stats(self) -> dict[str, Any]:

@@ -83,6 +83,15 @@ class Tokenizer:
         # Two matchers: every added token, and the non-special ones only.
         self._added_all = _AddedTokenMatcher(spec.added_tokens)
         self._added_plain = _AddedTokenMatcher([t for t in spec.added_tokens if not t.special])
+        # Any special token's text, longest first (for `encode_chat`).
+        specials = sorted(
+            (t.content for t in spec.added_tokens if t.special and t.content), key=len
+        )
+        self._special_pattern = (
+            regex.compile("|".join(regex.escape(c) for c in reversed(specials)))
+            if specials
+            else None
+        )
 
         self.bos_token_id: int | None = spec.bos_token_id
         self.eos_token_ids: tuple[int, ...] = self._end_of_turn_ids(spec)
@@ -256,6 +265,54 @@ class Tokenizer:
             special_tokens=self._special_strings,
             **template_kwargs,
         )
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        allow_special_in_content: bool = False,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Token ids of a rendered conversation, where a control-token string typed
+        *inside a message* stays plain text (so a user's `<|eot_id|>` cannot end a
+        turn), while the template's own control tokens are control tokens.
+
+        How: a content holding a special-token string is rendered as a unique
+        marker; the rendered text is split at the markers; template pieces are
+        encoded with special tokens allowed and those contents without. Only
+        such contents are split out (a split moves BPE boundaries at the
+        surrounding whitespace), so an ordinary conversation encodes exactly as
+        `encode(apply_chat_template(...))`, what transformers and vLLM feed.
+        """
+        if allow_special_in_content:
+            return self.encode(
+                self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+            )
+        contents: list[str] = []
+        marked = []
+        for m in messages:
+            content = m.get("content")
+            special = self._special_pattern
+            if isinstance(content, str) and special is not None and special.search(content):
+                marked.append({**m, "content": f"\x00pagedllm-content-{len(contents)}\x00"})
+                contents.append(content)
+            else:
+                marked.append(m)
+        text = self.apply_chat_template(marked, add_generation_prompt, **template_kwargs)
+        ids: list[int] = []
+        pos = 0
+        for i, content in enumerate(contents):
+            marker = f"\x00pagedllm-content-{i}\x00"
+            at = text.find(marker, pos)
+            if at < 0:  # the template transformed or dropped the content: no split possible
+                return self.encode(
+                    self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+                )
+            ids += self.encode(text[pos:at])
+            ids += self.encode(content, allow_special=False)
+            pos = at + len(marker)
+        ids += self.encode(text[pos:])
+        return ids
 
     def __repr__(self) -> str:
         return (
