@@ -102,7 +102,12 @@ class DecodeGraphs:
         return num_seqs <= self.max_bs
 
     def run(self, scheduled: list[Request]) -> torch.Tensor:
-        """Fill the buffers from the requests and replay; returns (B, V) logits."""
+        """Fill the buffers from the requests and replay; returns (B, V) logits.
+
+        The pinned staging buffers are rewritten here without waiting on the last
+        step's copies: safe because the engine reads the sampled ids (a sync) every
+        step. An engine that prepares step n+1 while step n runs must first record
+        an event after these copies and wait on it before writing again."""
         b = len(scheduled)
         bucket = next(x for x in self.buckets if x >= b)
         bs = self.runner.block_size
