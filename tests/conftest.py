@@ -1,5 +1,12 @@
 """Shared test set-up.
 
+Hypothesis: the default run uses the "ci" profile, derandomized (a fixed
+seed per test, no example database), so a test that passes once passes on
+every clone and every run. The random search belongs in tests marked `slow`,
+which load the "search" profile by name (or run everything with
+`HYPOTHESIS_PROFILE=search pytest ...`). Every input a search ever found
+failing is kept as an explicit `@example` beside its test.
+
 Without a GPU, TRITON_INTERPRET must be set before triton is first imported
 in the process, so that the Triton kernels run on the CPU in CI (see
 tests/test_triton_ops.py). On a GPU machine the kernels are compiled.
@@ -16,6 +23,18 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("search", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ import unicodedata
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pagedllm.bench.tokenizer_bench import hf_reference, llama3_tokenizer_json
@@ -167,18 +167,50 @@ texts = st.lists(
     max_size=10,
 ).map("".join)
 
-HYPOTHESIS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# The default run is derandomized (tests/conftest.py's "ci" profile): the same
+# 200 inputs every run. The random search is the slow test below it.
+HYPOTHESIS = settings(max_examples=200)
+SEARCH = settings(settings.get_profile("search"), max_examples=3000)
+
+# Bytes SmolLM2 has no token for, between neighbours that merge once the byte
+# is dropped: HF drops such bytes *before* merging (found by Hypothesis, seed 6).
+UNTOKENIZABLE_BYTE_CASES = [("{\x1d'", [34026]), (":\x1d.", [17805])]
 
 
-@pytest.mark.parametrize("name", NAMES)
-@HYPOTHESIS
-@given(text=texts)
-def test_generated_text_matches_hf(name: str, text: str) -> None:
+@pytest.mark.parametrize(("text", "expected"), UNTOKENIZABLE_BYTE_CASES)
+def test_bytes_without_a_token_are_dropped_before_merging(text: str, expected: list[int]) -> None:
+    tok, hf = pair("smollm2")
+    assert hf.encode(text, add_special_tokens=False).ids == expected
+    assert tok.encode(text) == expected
+    assert not representable(tok, text)  # so decoding cannot give the text back
+    assert tok.decode(expected) == text.replace("\x1d", "")
+
+
+def _check_generated_text(name: str, text: str) -> None:
     tok, hf = pair(name)
     check(tok, hf, text)
     detok = IncrementalDetokenizer(tok)
     ids = tok.encode(text)
     assert "".join(detok.add(i) for i in ids) + detok.finish() == tok.decode(ids)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@HYPOTHESIS
+@given(text=texts)
+@example(text="{\x1d'")
+@example(text=":\x1d.")
+@example(text="\x04\x06\x13\x14\x16\x1d")
+@example(text="a\x13b\x14 c\x16\x1d\n")
+def test_generated_text_matches_hf(name: str, text: str) -> None:
+    _check_generated_text(name, text)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+@SEARCH
+@given(text=texts)
+def test_generated_text_matches_hf_random_search(name: str, text: str) -> None:
+    _check_generated_text(name, text)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -71,11 +71,14 @@ class BytePairEncoder:
         vocab = self.vocab
         if self.ignore_merges and word in vocab:
             return (vocab[word],)
-        symbols = self.merge(list(word))
-        # A symbol missing from the vocabulary is dropped, as `tokenizers` does
-        # for a BPE model without an unknown token. A byte-level vocabulary holds
-        # all 256 single bytes, so this never happens for a well-formed file.
-        return tuple(vocab[s] for s in symbols if s in vocab)
+        # A byte with no vocabulary entry is dropped *before* merging, as
+        # `tokenizers` does for a BPE model without an unknown token: its
+        # neighbours then become adjacent and may merge ("{\x1d'" is one token
+        # for SmolLM2, which has no entry for 0x1d). Most byte-level
+        # vocabularies hold all 256 bytes; SmolLM2's lacks six control bytes,
+        # so text holding them cannot round-trip through encode and decode.
+        symbols = self.merge([s for s in word if s in vocab])
+        return tuple(vocab[s] for s in symbols)
 
     def merge(self, symbols: list[str]) -> list[str]:
         """Apply merges to a list of symbols, lowest rank first, leftmost on ties.

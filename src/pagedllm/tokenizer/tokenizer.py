@@ -146,6 +146,10 @@ class Tokenizer:
             the ids. Off by default: chat templates already write BOS as text.
         allow_special: match special-token strings in `text` as those tokens
             (HF's behaviour). Pass False for untrusted text.
+
+        A byte the vocabulary has no token for is dropped (as HF `tokenizers`
+        does), so `decode(encode(text)) == text` only when every byte of the
+        text has a token. SmolLM2 lacks 0x04, 0x06, 0x13, 0x14, 0x16 and 0x1d.
         """
         ids: list[int] = list(self._prefix_ids) if add_special_tokens else []
         matcher = self._added_all if allow_special else self._added_plain
