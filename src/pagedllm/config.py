@@ -1,24 +1,34 @@
 """Model configuration: one frozen dataclass, read from `config.json` or GGUF metadata.
 
 Owns: the numbers that give a Llama-family model its shape (layers, heads, RoPE,
-special token ids). Does not own: weights (`weights/`), tokenizer files
-(`tokenizer/`) or engine knobs (`EngineConfig` in `engine/`).
+special token ids), and checking them. Does not own: weights (`weights/`),
+tokenizer files (`tokenizer/`) or engine knobs (`EngineConfig` in `engine/`).
 
-Invariants: `num_attention_heads % num_key_value_heads == 0`; `eos_token_ids`
-holds every id that ends a turn (Llama 3 Instruct has three). Anything we do
-not support (another architecture, another RoPE type) is refused by name.
+Invariants: counts are positive ints (an integral float such as 64.0 is
+accepted; a bool, a string, null or 2.5 is not); `num_attention_heads %
+num_key_value_heads == 0`; `head_dim` is even; `rope_theta` is finite and
+positive, `rms_norm_eps` finite and non-negative; `tie_word_embeddings` is a
+bool; `max_position_embeddings` is at most `MAX_POSITIONS`; `eos_token_ids`
+holds every id that ends a turn (Llama 3 Instruct has three). A value that
+breaks them is a `ValueError` naming the key (and the file, when read from
+one). Anything we do not support (another architecture, another RoPE type) is
+refused by name.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# More positions than any released model declares (Llama 4 Scout: 10M < 2**24); a
+# larger number is a corrupt file, and would make position-sized tables enormous.
+MAX_POSITIONS = 2**26
 
 
 @dataclass(frozen=True)
@@ -51,11 +61,12 @@ class ModelConfig:
     generation_defaults: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+        """The last line of defence, for configs built in code: every field checked.
+
+        `from_hf_dict` and `from_gguf_metadata` check each value as they read it,
+        naming the file's own key; this catches whatever reaches the constructor
+        another way."""
+        where = "model config"
         for name in (
             "vocab_size",
             "hidden_size",
@@ -65,10 +76,18 @@ class ModelConfig:
             "num_key_value_heads",
             "head_dim",
         ):
-            if getattr(self, name) <= 0:
-                raise ValueError(
-                    f"model config: {name} must be positive, got {getattr(self, name)}"
-                )
+            _as_int(getattr(self, name), name, where)
+        _as_int(self.max_position_embeddings, "max_position_embeddings", where, 1, MAX_POSITIONS)
+        _as_float(self.rope_theta, "rope_theta", where, positive=True)
+        _as_float(self.rms_norm_eps, "rms_norm_eps", where, positive=False)
+        _as_bool(self.tie_word_embeddings, "tie_word_embeddings", where)
+        _check_heads(self.num_attention_heads, self.num_key_value_heads, self.head_dim, where)
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            _fail(where, "rope_scaling", self.rope_scaling, "a RopeScaling or None")
+        if self.bos_token_id is not None:
+            _as_int(self.bos_token_id, "bos_token_id", where, minimum=0)
+        for token_id in self.eos_token_ids:
+            _as_int(token_id, "eos_token_ids", where, minimum=0)
 
     @property
     def q_size(self) -> int:
@@ -89,17 +108,11 @@ class ModelConfig:
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
             raise ValueError(f"{path}: no config.json (expected a Hugging Face model directory)")
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_path}: not valid JSON ({e})") from e
+        cfg = _read_json(cfg_path)
         gen = None
         gen_path = path / "generation_config.json"
         if gen_path.is_file():
-            try:
-                gen = json.loads(gen_path.read_text())
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{gen_path}: not valid JSON ({e})") from e
+            gen = _read_json(gen_path)
         return cls.from_hf_dict(cfg, gen, source=str(cfg_path))
 
     @classmethod
@@ -109,7 +122,14 @@ class ModelConfig:
         generation_config: dict[str, Any] | None = None,
         source: str = "config",
     ) -> ModelConfig:
-        archs = cfg.get("architectures") or []
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{source}: the config is a {type(cfg).__name__}, expected an object")
+        archs = cfg.get("architectures")
+        if archs is not None and (
+            not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)
+        ):
+            _fail(source, "architectures", archs, 'a list of names such as ["LlamaForCausalLM"]')
+        archs = archs or []
         model_type = cfg.get("model_type")
         if archs and not any(a in SUPPORTED_HF_ARCHITECTURES for a in archs):
             raise ValueError(
@@ -121,64 +141,100 @@ class ModelConfig:
                 f"{source}: model_type {model_type!r} is not supported; pagedllm runs 'llama'"
             )
         for key in ("attention_bias", "mlp_bias"):
-            if cfg.get(key):
+            if _as_bool(cfg.get(key, False), key, source):
                 raise ValueError(f"{source}: {key}=true is not supported (Llama has no biases)")
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"{source}: hidden_act {act!r} is not supported; only 'silu'")
-        try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            head_dim = cfg.get("head_dim") or hidden // heads
-            # transformers >= 5 writes `rope_parameters` (with rope_theta inside);
-            # older files write `rope_scaling`. Accept both.
-            rope_scaling = _parse_rope_scaling(
-                cfg.get("rope_scaling") or cfg.get("rope_parameters"), source
+
+        def required(key: str) -> Any:
+            if key not in cfg:
+                raise ValueError(f"{source}: missing required key {key!r}")
+            return cfg[key]
+
+        def optional(key: str, default: Any) -> Any:
+            value = cfg.get(key)
+            return default if value is None else value
+
+        hidden = _as_int(required("hidden_size"), "hidden_size", source)
+        heads = _as_int(required("num_attention_heads"), "num_attention_heads", source)
+        kv_heads = _as_int(optional("num_key_value_heads", heads), "num_key_value_heads", source)
+        if cfg.get("head_dim") is None:
+            head_dim = _implied_head_dim(
+                hidden, heads, "hidden_size", "num_attention_heads", source
             )
-            rope_theta = cfg.get("rope_theta")
-            if rope_theta is None:  # transformers 5 moves theta into rope_parameters
-                rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-            eos = _id_list(cfg.get("eos_token_id"))
-            bos = cfg.get("bos_token_id")
-            gen_defaults: dict[str, Any] = {}
-            if generation_config:
-                eos = _merge_ids(eos, _id_list(generation_config.get("eos_token_id")))
-                if bos is None:
-                    bos = generation_config.get("bos_token_id")
-                for key in (
-                    "temperature",
-                    "top_p",
-                    "top_k",
-                    "min_p",
-                    "repetition_penalty",
-                    "do_sample",
-                ):
-                    if key in generation_config:
-                        gen_defaults[key] = generation_config[key]
-            return cls(
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_hidden_layers=int(cfg["num_hidden_layers"]),
-                num_attention_heads=heads,
-                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(head_dim),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope_theta),
-                rope_scaling=rope_scaling,
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                bos_token_id=None if bos is None else int(bos),
-                eos_token_ids=tuple(eos),
-                generation_defaults=tuple(sorted(gen_defaults.items())),
-            )
-        except KeyError as e:
-            raise ValueError(f"{source}: missing required key {e.args[0]!r}") from e
+        else:
+            head_dim = _as_int(cfg["head_dim"], "head_dim", source)
+        _check_heads(heads, kv_heads, head_dim, source)
+
+        # transformers >= 5 writes `rope_parameters` (with rope_theta inside);
+        # older files write `rope_scaling`. Accept both.
+        for key in ("rope_scaling", "rope_parameters"):
+            if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+                _fail(source, key, cfg[key], "an object or null")
+        rope_parameters = cfg.get("rope_parameters") or {}
+        rope_scaling = _parse_rope_scaling(cfg.get("rope_scaling") or rope_parameters, source)
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None:  # transformers 5 moves theta into rope_parameters
+            rope_theta = rope_parameters.get("rope_theta", 10000.0)
+
+        eos = _id_list(cfg.get("eos_token_id"), "eos_token_id", source)
+        bos = cfg.get("bos_token_id")
+        gen_defaults: dict[str, Any] = {}
+        if generation_config is not None:
+            if not isinstance(generation_config, dict):
+                raise ValueError(
+                    f"{source}: generation_config is a {type(generation_config).__name__}, "
+                    "expected an object"
+                )
+            gen_eos = generation_config.get("eos_token_id")
+            eos = _merge_ids(eos, _id_list(gen_eos, "generation_config eos_token_id", source))
+            if bos is None:
+                bos = generation_config.get("bos_token_id")
+            for key in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "repetition_penalty",
+                "do_sample",
+            ):
+                if key in generation_config:
+                    gen_defaults[key] = generation_config[key]
+        return cls(
+            vocab_size=_as_int(required("vocab_size"), "vocab_size", source),
+            hidden_size=hidden,
+            intermediate_size=_as_int(required("intermediate_size"), "intermediate_size", source),
+            num_hidden_layers=_as_int(required("num_hidden_layers"), "num_hidden_layers", source),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=_as_float(
+                cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source, positive=False
+            ),
+            rope_theta=_as_float(rope_theta, "rope_theta", source, positive=True),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=_as_bool(
+                cfg.get("tie_word_embeddings", False), "tie_word_embeddings", source
+            ),
+            max_position_embeddings=_as_int(
+                cfg.get("max_position_embeddings", 2048),
+                "max_position_embeddings",
+                source,
+                1,
+                MAX_POSITIONS,
+            ),
+            bos_token_id=None if bos is None else _as_int(bos, "bos_token_id", source, minimum=0),
+            eos_token_ids=tuple(eos),
+            generation_defaults=tuple(sorted(gen_defaults.items())),
+        )
 
     # ---------------------------------------------------------------- GGUF
     @classmethod
     def from_gguf_metadata(cls, md: dict[str, Any], source: str = "gguf") -> ModelConfig:
-        """Build from GGUF key/value metadata (plain Python values)."""
+        """Build from GGUF key/value metadata (plain Python values).
+
+        Errors name the GGUF key (`llama.rope.freq_base`, not `rope_theta`)."""
         arch = md.get("general.architecture")
         if arch not in SUPPORTED_GGUF_ARCHITECTURES:
             raise ValueError(
@@ -194,12 +250,40 @@ class ModelConfig:
                 raise ValueError(f"{source}: GGUF metadata lacks required key {full!r}")
             return default
 
-        hidden = int(get("embedding_length"))
-        heads = int(get("attention.head_count"))
-        kv_heads = int(get("attention.head_count_kv", heads))
-        head_dim = int(get("attention.key_length", hidden // heads))
-        tokens = md.get("tokenizer.ggml.tokens")
-        vocab = int(get("vocab_size", len(tokens) if tokens is not None else 0))
+        def count(key: str, default: Any = ..., maximum: int | None = None) -> int:
+            return _as_int(get(key, default), f"{arch}.{key}", source, 1, maximum)
+
+        def number(key: str, default: float, positive: bool) -> float:
+            return _as_float(get(key, default), f"{arch}.{key}", source, positive=positive)
+
+        hidden = count("embedding_length")
+        heads = count("attention.head_count")
+        kv_heads = count("attention.head_count_kv", heads)
+        if f"{arch}.attention.key_length" in md:
+            head_dim = count("attention.key_length")
+        else:
+            head_dim = _implied_head_dim(
+                hidden, heads, f"{arch}.embedding_length", f"{arch}.attention.head_count", source
+            )
+        _check_heads(
+            heads,
+            kv_heads,
+            head_dim,
+            source,
+            (
+                f"{arch}.attention.head_count",
+                f"{arch}.attention.head_count_kv",
+                f"{arch}.attention.key_length",
+            ),
+        )
+        for key in ("attention.value_length", "rope.dimension_count"):
+            if get(key, head_dim) != head_dim:
+                raise ValueError(
+                    f"{source}: {arch}.{key} is {get(key)!r} but the head dimension is "
+                    f"{head_dim}; pagedllm supports only equal K/V head sizes and full RoPE"
+                )
+        vocab = _gguf_vocab_size(md, arch, source)
+
         rope_scaling = None
         scaling_type = get("rope.scaling.type", None)
         if scaling_type not in (None, "none", "llama3"):
@@ -208,37 +292,137 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
         factor = get("rope.scaling.factor", None)
-        if scaling_type == "llama3" or (factor is not None and float(factor) != 1.0):
+        if factor is not None:
+            factor = number("rope.scaling.factor", 1.0, positive=True)
+        if scaling_type == "llama3" or (factor is not None and factor != 1.0):
             rope_scaling = RopeScaling(
-                factor=float(factor if factor is not None else 8.0),
-                low_freq_factor=float(get("rope.scaling.low_freq_factor", 1.0)),
-                high_freq_factor=float(get("rope.scaling.high_freq_factor", 4.0)),
-                original_max_position_embeddings=int(
-                    get("rope.scaling.original_context_length", 8192)
+                factor=factor if factor is not None else 8.0,
+                low_freq_factor=number("rope.scaling.low_freq_factor", 1.0, positive=True),
+                high_freq_factor=number("rope.scaling.high_freq_factor", 4.0, positive=True),
+                original_max_position_embeddings=count(
+                    "rope.scaling.original_context_length", 8192, MAX_POSITIONS
                 ),
             )
-        eos = _id_list(md.get("tokenizer.ggml.eos_token_id"))
+        eos = _id_list(md.get("tokenizer.ggml.eos_token_id"), "tokenizer.ggml.eos_token_id", source)
         eot = md.get("tokenizer.ggml.eot_token_id")
-        eos = _merge_ids(eos, _id_list(eot))
+        eos = _merge_ids(eos, _id_list(eot, "tokenizer.ggml.eot_token_id", source))
         bos = md.get("tokenizer.ggml.bos_token_id")
         # GGUF files from HF conversion have no output.weight when embeddings are tied;
         # the loader decides (it sees the tensor list). Default: tied.
         return cls(
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_hidden_layers=int(get("block_count")),
+            intermediate_size=count("feed_forward_length"),
+            num_hidden_layers=count("block_count"),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rms_norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5, positive=False),
+            rope_theta=number("rope.freq_base", 10000.0, positive=True),
             rope_scaling=rope_scaling,
             tie_word_embeddings=True,
-            max_position_embeddings=int(get("context_length", 2048)),
-            bos_token_id=None if bos is None else int(bos),
+            max_position_embeddings=count("context_length", 2048, MAX_POSITIONS),
+            bos_token_id=None
+            if bos is None
+            else _as_int(bos, "tokenizer.ggml.bos_token_id", source, minimum=0),
             eos_token_ids=tuple(eos),
         )
+
+
+# ----- checking values ------------------------------------------------------------------------
+
+
+def _fail(source: str, key: str, value: Any, expected: str) -> NoReturn:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    raise ValueError(f"{source}: {key} is {shown}, expected {expected}")
+
+
+def _as_int(value: Any, key: str, source: str, minimum: int = 1, maximum: int | None = None) -> int:
+    """A whole number in [minimum, maximum]: an int or an integral float (64.0), never a
+    bool, a string, null or 2.5."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(source, key, value, "an integer")
+    if isinstance(value, float):
+        if not (math.isfinite(value) and value.is_integer()):
+            _fail(source, key, value, "an integer")
+        value = int(value)
+    if value < minimum:
+        _fail(source, key, value, f"an integer >= {minimum}")
+    if maximum is not None and value > maximum:
+        hint = ""
+        if maximum == MAX_POSITIONS:
+            hint = " (pagedllm refuses more than 2**26 positions: no model has that many)"
+        _fail(source, key, value, f"at most {maximum}{hint}")
+    return value
+
+
+def _as_float(value: Any, key: str, source: str, positive: bool) -> float:
+    """A finite number, > 0 when `positive`, else >= 0 (never NaN, inf, a bool or a string)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(source, key, value, "a number")
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        _fail(source, key, value, "a finite number " + ("> 0" if positive else ">= 0"))
+    return value
+
+
+def _as_bool(value: Any, key: str, source: str) -> bool:
+    if not isinstance(value, bool):
+        _fail(source, key, value, "true or false")
+    return value
+
+
+def _implied_head_dim(hidden: int, heads: int, hidden_key: str, heads_key: str, source: str) -> int:
+    """hidden // heads when the file gives no head size; it must divide exactly."""
+    if hidden % heads != 0:
+        raise ValueError(
+            f"{source}: {hidden_key} {hidden} is not divisible by {heads_key} {heads}, and "
+            "no head size is given (head_dim / attention.key_length)"
+        )
+    return hidden // heads
+
+
+def _check_heads(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    source: str,
+    keys: tuple[str, str, str] = ("num_attention_heads", "num_key_value_heads", "head_dim"),
+) -> None:
+    """Grouped-query attention needs whole groups; RoPE needs an even head size.
+
+    `keys` names the three values as the file spells them."""
+    heads_key, kv_key, dim_key = keys
+    if heads % kv_heads != 0:
+        raise ValueError(
+            f"{source}: {heads_key} ({heads}) must be a multiple of {kv_key} ({kv_heads})"
+        )
+    if head_dim % 2 != 0:
+        raise ValueError(f"{source}: {dim_key} {head_dim} is odd; RoPE rotates pairs of dimensions")
+
+
+def _gguf_vocab_size(md: dict[str, Any], arch: str, source: str) -> int:
+    """`{arch}.vocab_size`, else the length of `tokenizer.ggml.tokens`."""
+    if f"{arch}.vocab_size" in md:
+        return _as_int(md[f"{arch}.vocab_size"], f"{arch}.vocab_size", source)
+    tokens = md.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ValueError(
+            f"{source}: GGUF metadata has neither {arch + '.vocab_size'!r} nor "
+            "'tokenizer.ggml.tokens', so the vocabulary size is unknown"
+        )
+    if not isinstance(tokens, list) or not tokens:
+        _fail(source, "tokenizer.ggml.tokens", tokens, "a non-empty array of strings")
+    return len(tokens)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
 
 
 def _parse_rope_scaling(rs: dict[str, Any] | None, source: str) -> RopeScaling | None:
@@ -252,23 +436,38 @@ def _parse_rope_scaling(rs: dict[str, Any] | None, source: str) -> RopeScaling |
             f"{source}: rope_scaling type {rope_type!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    try:
-        return RopeScaling(
-            factor=float(rs["factor"]),
-            low_freq_factor=float(rs["low_freq_factor"]),
-            high_freq_factor=float(rs["high_freq_factor"]),
-            original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-        )
-    except KeyError as e:
-        raise ValueError(f"{source}: rope_scaling of type llama3 lacks {e.args[0]!r}") from e
+    for key in (
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    ):
+        if key not in rs:
+            raise ValueError(f"{source}: rope_scaling of type llama3 lacks {key!r}")
+    return RopeScaling(
+        factor=_as_float(rs["factor"], "rope_scaling.factor", source, positive=True),
+        low_freq_factor=_as_float(
+            rs["low_freq_factor"], "rope_scaling.low_freq_factor", source, positive=True
+        ),
+        high_freq_factor=_as_float(
+            rs["high_freq_factor"], "rope_scaling.high_freq_factor", source, positive=True
+        ),
+        original_max_position_embeddings=_as_int(
+            rs["original_max_position_embeddings"],
+            "rope_scaling.original_max_position_embeddings",
+            source,
+            1,
+            MAX_POSITIONS,
+        ),
+    )
 
 
-def _id_list(value: Any) -> list[int]:
+def _id_list(value: Any, key: str, source: str) -> list[int]:
+    """A token id or a list of them (null: none), each a non-negative integer."""
     if value is None:
         return []
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value]
-    return [int(value)]
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [_as_int(v, key, source, minimum=0) for v in values]
 
 
 def _merge_ids(a: list[int], b: list[int]) -> list[int]:

@@ -12,6 +12,8 @@ truncated file fails deep inside numpy or loops on a corrupt count.
 
 Invariant: every count and length is checked against the bytes left before
 anything loops or allocates; any defect is a `ValueError` naming the file.
+As llama.cpp's gguf.cpp (and gguf-py's reader) do, a key must be non-empty
+and unique, and `general.alignment`, when present, must be a UINT32.
 
 Layout (GGUF v2/v3, little-endian): magic b"GGUF", version u32, tensor_count
 u64, kv_count u64, then kv_count times: key (u64 length + UTF-8), value type
@@ -31,6 +33,7 @@ from typing import Any, NoReturn
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 MAX_ARRAY_NESTING = 8  # arrays of arrays are legal; deeper than this is corruption
+ALIGNMENT_KEY = "general.alignment"
 
 # GGUF value type ids (gguf-py's GGUFValueType) -> little-endian struct code.
 UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL = 0, 1, 2, 3, 4, 5, 6, 7
@@ -161,9 +164,14 @@ def read_header(
     metadata: dict[str, Any] = {}
     for i in range(n_kv):
         key = cur.string(f"key #{i}")
+        if not key:
+            fail(f"key #{i} is empty")
         if key in metadata:
             fail(f"duplicate metadata key {key!r}")
         vtype = cur.u32(f"type of {key!r}")
+        if key == ALIGNMENT_KEY and vtype != UINT32:
+            # llama.cpp and gguf-py both refuse any other type; so do we.
+            fail(f"{ALIGNMENT_KEY} has value type id {vtype}, expected UINT32 ({UINT32})")
         metadata[key] = cur.value(vtype, f"metadata {key!r}")
     return version, n_tensors, metadata
 

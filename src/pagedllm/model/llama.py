@@ -54,6 +54,7 @@ class LlamaModel:
         norm: torch.Tensor,
         lm_head: torch.Tensor,
         weights_transposed: bool = False,
+        max_positions: int | None = None,
     ) -> None:
         self.config = config
         self.weights_transposed = weights_transposed  # matrices stored (in, out)
@@ -65,11 +66,17 @@ class LlamaModel:
         self.device = embed_tokens.device
         self.dtype = embed_tokens.dtype
         self.scale = config.head_dim**-0.5
+        # The RoPE table covers the positions this model will serve: the model's own
+        # limit, or fewer when the caller says so (a 1M-position config would
+        # otherwise cost 1M * D * 4 bytes before the first token).
+        self.max_positions = config.max_position_embeddings
+        if max_positions is not None:
+            self.max_positions = min(self.max_positions, max_positions)
         self.cos_sin_cache = rope_cos_sin_cache(
             config.head_dim,
             config.rope_theta,
             config.rope_scaling,
-            config.max_position_embeddings,
+            self.max_positions,
             device=self.device,
         )  # (P, D) float32
 
@@ -177,9 +184,10 @@ class LlamaModel:
         if not token_ids:
             raise ValueError("forward_logits needs at least one token")
         t = len(token_ids)
-        if t > self.config.max_position_embeddings:
+        if t > self.max_positions:
             raise ValueError(
-                f"{t} tokens exceed the model's {self.config.max_position_embeddings} positions"
+                f"{t} tokens exceed the {self.max_positions} positions this model was loaded "
+                "for (the model's max_position_embeddings, or load_model's max_model_len)"
             )
         dev = self.device
         batch = ForwardBatch(

@@ -1,13 +1,20 @@
 """Build a `LlamaModel` from an HF directory or a GGUF file.
 
-Owns: choosing the device and dtype, checking that every weight is there with
-the shape the config implies, and fusing Q/K/V and gate/up at load time (one
-matmul each at run time). Does not own: file parsing (`weights/`).
+Owns: choosing the device and dtype, checking that the file's weights are
+exactly those the config implies (each present, with its shape, and none
+left over), and fusing Q/K/V and gate/up at load time (one matmul each at run
+time). Does not own: file parsing (`weights/`).
+
+A weight the config does not use is an error, never dropped: it means the
+config and the checkpoint disagree (e.g. `num_hidden_layers=1` on a 2-layer
+file), and the model would silently be another one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -53,12 +60,36 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[key]
 
 
+# Tensors that Llama checkpoints legitimately carry and that are not weights of the
+# model: the RoPE inverse frequencies older transformers versions saved (we compute
+# them from the config; transformers ignores them on load too). GGUF's equivalent,
+# `rope_freqs.weight`, is dropped by `weights/gguf.py`. Anything else unused is an error.
+_NOT_WEIGHTS = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
+# The weights of decoder layer i, as build_model takes them (no leading zeros: build_model
+# asks for "model.layers.1.", so a "model.layers.01." tensor would be dropped unread).
+_LAYER_WEIGHT = re.compile(
+    r"model\.layers\.(0|[1-9]\d*)\.(input_layernorm|post_attention_layernorm"
+    r"|self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight"
+)
+
+
 def load_model(
     path: str | Path | None = None,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    *,
+    max_model_len: int | None = None,
 ) -> LlamaModel:
-    """Load a Llama-family model; `path=None` means the default SmolLM2 GGUF."""
+    """Load a Llama-family model; `path=None` means the default SmolLM2 GGUF.
+
+    `max_model_len`: the longest sequence the caller will run; the RoPE table is
+    built for min(max_position_embeddings, max_model_len) positions (all of the
+    model's positions when None).
+    """
+    if max_model_len is not None and (
+        not isinstance(max_model_len, int) or isinstance(max_model_len, bool) or max_model_len < 1
+    ):
+        raise ValueError(f"max_model_len is {max_model_len!r}; give a positive integer or None")
     model_path = resolve_model_path(path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -74,7 +105,7 @@ def load_model(
 
         config = ModelConfig.from_hf_dir(model_path)
         state = load_safetensors_dir(model_path, device="cpu")
-    model = build_model(config, state, dev, dt, source=str(model_path))
+    model = build_model(config, state, dev, dt, source=str(model_path), max_model_len=max_model_len)
     model.source_path = model_path
     return model
 
@@ -85,8 +116,15 @@ def build_model(
     device: torch.device,
     dtype: torch.dtype,
     source: str = "model",
+    max_model_len: int | None = None,
 ) -> LlamaModel:
-    """Check shapes, fuse QKV and gate/up, and move everything to device/dtype once."""
+    """Check names and shapes, fuse QKV and gate/up, and move everything to device/dtype once.
+
+    `state` must hold exactly the config's weights (see `check_no_unused_weights`).
+    `max_model_len` bounds the RoPE table (see `load_model`).
+    """
+    config = _resolve_tied_head(config, state, source)
+    check_no_unused_weights(config, state, source)
     c = config
 
     def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -134,7 +172,64 @@ def build_model(
     else:
         lm_head = put_matrix(take("lm_head.weight", (c.vocab_size, e)))
     norm = put(take("model.norm.weight", (e,)))
-    return LlamaModel(c, embed, layers, norm, lm_head, weights_transposed=transposed)
+    return LlamaModel(
+        c, embed, layers, norm, lm_head, weights_transposed=transposed, max_positions=max_model_len
+    )
+
+
+def check_no_unused_weights(
+    config: ModelConfig, state: dict[str, torch.Tensor], source: str = "model"
+) -> None:
+    """ValueError naming the tensors of `state` that a model of `config` would not use.
+
+    Names are matched, never generated: a corrupt `num_hidden_layers` of 2**31
+    must not build two billion strings."""
+    unused = [n for n in state if not _is_model_weight(n, config) and not _NOT_WEIGHTS.fullmatch(n)]
+    if not unused:
+        return
+    layers = [int(m.group(1)) for n in unused if (m := _LAYER_WEIGHT.fullmatch(n))]
+    if layers:
+        why = (
+            f"the file has layers up to {max(layers)} but the config says "
+            f"num_hidden_layers={config.num_hidden_layers} (GGUF: llama.block_count); "
+            "check the config against the checkpoint"
+        )
+    else:
+        why = "a Llama model of this config has no such weights; check that the file is a Llama"
+    raise ValueError(
+        f"{source}: {len(unused)} tensors in the file are not used by the model: "
+        f"{', '.join(map(repr, unused[:5]))}{', ...' if len(unused) > 5 else ''}: {why}"
+    )
+
+
+def _is_model_weight(name: str, config: ModelConfig) -> bool:
+    # lm_head.weight: the head when untied, a copy of the embeddings when tied
+    # (see _resolve_tied_head); either way it is accounted for.
+    if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        return True
+    m = _LAYER_WEIGHT.fullmatch(name)
+    return m is not None and int(m.group(1)) < config.num_hidden_layers
+
+
+def _resolve_tied_head(
+    config: ModelConfig, state: dict[str, torch.Tensor], source: str
+) -> ModelConfig:
+    """A tied config whose file also holds `lm_head.weight`: a copy is fine (transformers'
+    `state_dict()` holds one); a different matrix is used untied, as transformers 5 does
+    (it warns and leaves the two apart), so we run the model transformers runs."""
+    head = state.get("lm_head.weight")
+    embed = state.get("model.embed_tokens.weight")
+    if not config.tie_word_embeddings or head is None or embed is None:
+        return config
+    if head.shape == embed.shape and head.dtype == embed.dtype and torch.equal(head, embed):
+        return config
+    warnings.warn(
+        f"{source}: tie_word_embeddings is true, but lm_head.weight differs from the "
+        "embeddings; using it untied, as transformers does (set tie_word_embeddings "
+        "to false in config.json to silence this)",
+        stacklevel=3,
+    )
+    return dataclasses.replace(config, tie_word_embeddings=False)
 
 
 def dummy_model(

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import repeat
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pagedllm.gguf_metadata import read_gguf_metadata
 from pagedllm.tokenizer.pretokenize import (
@@ -278,6 +278,11 @@ def load_gguf(path: str | Path) -> TokenizerSpec:
 
 
 def spec_from_gguf_metadata(meta: Mapping[str, Any], source: str = "<gguf>") -> TokenizerSpec:
+    """A `TokenizerSpec` from GGUF `tokenizer.*` metadata.
+
+    Every key is checked for its type (and the token arrays for their lengths)
+    before use: a missing or malformed key is a ValueError naming it, never a
+    KeyError, TypeError or a vocabulary silently cut short by `zip`."""
     model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
         raise ValueError(
@@ -285,15 +290,34 @@ def spec_from_gguf_metadata(meta: Mapping[str, Any], source: str = "<gguf>") -> 
         )
     if "tokenizer.ggml.pre" not in meta:
         raise ValueError(f"{source}: no tokenizer.ggml.pre; cannot tell which pre-tokenizer to use")
-    pre = from_gguf_pre(meta["tokenizer.ggml.pre"])
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    types: list[int] = meta.get("tokenizer.ggml.token_type") or [GGUF_NORMAL] * len(tokens)
+    pre_name = meta["tokenizer.ggml.pre"]
+    if not isinstance(pre_name, str):
+        _bad_key(source, "tokenizer.ggml.pre", pre_name, "a string")
+    pre = from_gguf_pre(pre_name)
+    if "tokenizer.ggml.tokens" not in meta:
+        raise ValueError(
+            f"{source}: no tokenizer.ggml.tokens; the file carries no vocabulary, so no "
+            "tokenizer can be built from it (is it a complete llama.cpp model file?)"
+        )
+    tokens = _str_array(meta, "tokenizer.ggml.tokens", source)
+    if not tokens:
+        _bad_key(source, "tokenizer.ggml.tokens", tokens, "a non-empty array of strings")
+    types = meta.get("tokenizer.ggml.token_type")
+    if types is None:
+        types = [GGUF_NORMAL] * len(tokens)
+    elif not isinstance(types, list) or not all(_is_int(t) for t in types):
+        _bad_key(source, "tokenizer.ggml.token_type", types, "an array of integers")
+    elif len(types) != len(tokens):
+        raise ValueError(
+            f"{source}: tokenizer.ggml.token_type has {len(types)} entries but "
+            f"tokenizer.ggml.tokens has {len(tokens)}; they must match one to one"
+        )
     merges = []
-    for m in meta.get("tokenizer.ggml.merges", []):
+    for m in _str_array(meta, "tokenizer.ggml.merges", source):
         # Split at the first space after position 0, as llama.cpp does.
         cut = m.find(" ", 1)
         if cut < 0:
-            raise ValueError(f"{source}: malformed merge {m!r}")
+            raise ValueError(f"{source}: malformed merge {m!r} in tokenizer.ggml.merges")
         merges.append((m[:cut], m[cut + 1 :]))
 
     vocab: dict[str, int] = {}
@@ -306,13 +330,28 @@ def spec_from_gguf_metadata(meta: Mapping[str, Any], source: str = "<gguf>") -> 
             added.append(AddedToken(id=i, content=tok, special=kind != GGUF_USER_DEFINED))
 
     def token_id(key: str) -> int | None:
+        """The id under `key`; None when absent or outside the vocabulary (llama.cpp
+        ignores such an id too)."""
         value = meta.get(key)
-        return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
+        if value is None:
+            return None
+        if not _is_int(value):
+            _bad_key(source, key, value, "an integer token id")
+        return value if 0 <= value < len(tokens) else None
+
+    def flag(key: str, default: bool) -> bool:
+        value = meta.get(key, default)
+        if not isinstance(value, bool):
+            _bad_key(source, key, value, "a bool")
+        return value
 
     bos = token_id("tokenizer.ggml.bos_token_id")
     eos = token_id("tokenizer.ggml.eos_token_id")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", pre.add_bos))
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    add_bos = flag("tokenizer.ggml.add_bos_token", pre.add_bos)
+    add_eos = flag("tokenizer.ggml.add_eos_token", False)
+    chat_template = meta.get("tokenizer.chat_template")
+    if chat_template is not None and not isinstance(chat_template, str):
+        _bad_key(source, "tokenizer.chat_template", chat_template, "a string")
     strings = {}
     for key, name in (
         ("tokenizer.ggml.bos_token_id", "bos_token"),
@@ -339,7 +378,26 @@ def spec_from_gguf_metadata(meta: Mapping[str, Any], source: str = "<gguf>") -> 
         bos_token_id=bos,
         eos_token_id=eos,
         extra_eos_ids=extra,
-        chat_template=meta.get("tokenizer.chat_template"),
+        chat_template=chat_template,
         special_token_strings=strings,
         source=source,
     )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bad_key(source: str, key: str, value: Any, expected: str) -> NoReturn:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    raise ValueError(f"{source}: {key} is {shown}, expected {expected}")
+
+
+def _str_array(meta: Mapping[str, Any], key: str, source: str) -> list[str]:
+    """The array of strings under `key` ([] when absent)."""
+    value = meta.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        _bad_key(source, key, value, "an array of strings")
+    return value

@@ -18,9 +18,15 @@ Invariants, checked on open (any violation is a `ValueError` naming the file):
 - magic `GGUF`, version 2 or 3, little-endian;
 - every count and length is read against the bytes left, before looping or
   allocating, so no corrupt number can cause a hang or a huge allocation;
-- every tensor has a known ggml type, a first dimension divisible by the
-  type's block size, an offset aligned to `general.alignment`, and its bytes
-  lie inside the file without overlapping another tensor's.
+- every tensor has a unique name shorter than 64 bytes, at most 4 dimensions,
+  each below 2**63 with a product below 2**63, a known ggml type and a first
+  dimension divisible by the type's block size (llama.cpp's gguf.cpp checks);
+- the tensors are packed in table order, as llama.cpp requires: each offset
+  is the sum of the previous tensors' sizes, each padded up to
+  `general.alignment` (default 32); the last tensor's bytes end inside the
+  file, and at most its alignment padding follows them. A tensor whose type
+  or shape was changed in the table no longer fits this layout, so it is
+  refused instead of being read from the wrong bytes.
 Types we cannot dequantize are listed by `tensor_info` and refused by name
 when loaded.
 
@@ -34,6 +40,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,6 +55,8 @@ from pagedllm.gguf_metadata import GGUFCursor, read_header
 
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS in ggml.h
+MAX_NAME_BYTES = 63  # GGML_MAX_NAME (64) counts the terminating NUL
+_INT64_LIMIT = 2**63  # ggml's ne[] are int64_t: a u64 at or above this is negative there
 
 Q = GGMLQuantizationType
 
@@ -262,49 +271,70 @@ class GGUFFile:
             self._fail(f"general.alignment {alignment!r} is not a positive power of two")
 
         # 3. tensor infos (offsets are relative to the aligned start of the data)
-        infos: list[tuple[str, tuple[int, ...], GGMLQuantizationType, int]] = []
+        self._tensors: dict[str, GGUFTensorInfo] = {}
+        infos: list[tuple[str, tuple[int, ...], GGMLQuantizationType, int, int]] = []
+        seen: set[str] = set()
         for i in range(n_tensors):
-            name = cur.string(f"name of tensor #{i}")
-            n_dims = cur.u32(f"tensor {name!r} n_dims")
-            if n_dims > MAX_DIMS:
-                self._fail(f"tensor {name!r} has {n_dims} dimensions (at most {MAX_DIMS})")
-            ne = tuple(cur.u64(f"tensor {name!r} dims") for _ in range(n_dims))
-            type_id = cur.u32(f"tensor {name!r} type")
-            rel_offset = cur.u64(f"tensor {name!r} offset")
-            try:
-                qtype = GGMLQuantizationType(type_id)
-            except ValueError:
-                self._fail(f"tensor {name!r} has unknown ggml type id {type_id}")
-            infos.append((name, ne, qtype, rel_offset))
+            info = self._read_tensor_info(cur, i)
+            name = info[0]
+            if name in seen:
+                self._fail(f"duplicate tensor name {name!r}")
+            seen.add(name)
+            infos.append(info)
         data_start = -(-cur.pos // alignment) * alignment
 
-        # 4. where each tensor's bytes are; all inside the file, none overlapping
-        self._tensors: dict[str, GGUFTensorInfo] = {}
-        for name, ne, qtype, rel_offset in infos:
-            self._tensors[name] = self._check_tensor(
-                name, ne, qtype, rel_offset, data_start, alignment
+        # 4. the packed layout: tensor i starts where tensor i-1's padded bytes end
+        expected = 0
+        for name, ne, qtype, rel_offset, nbytes in infos:
+            if rel_offset != expected:
+                self._fail(
+                    f"tensor {name!r} has offset {rel_offset}, expected {expected}: tensors "
+                    f"must be packed in table order, each padded to {alignment} bytes "
+                    "(llama.cpp refuses this file too); the tensor table is corrupt, or a "
+                    "tensor's type or shape was changed"
+                )
+            self._check_in_file(name, ne, qtype, data_start + rel_offset, nbytes)
+            expected += -(-nbytes // alignment) * alignment
+            shape = tuple(reversed(ne))  # torch order: GGUF lists the fastest dimension first
+            self._tensors[name] = GGUFTensorInfo(
+                name, qtype.name, shape, data_start + rel_offset, nbytes
             )
-        # Empty tensors own no bytes; sorted by start, any overlap shows up between neighbours.
-        spans = sorted(
-            (t.offset, t.offset + t.nbytes, t.name) for t in self._tensors.values() if t.nbytes
-        )
-        for (_, prev_end, prev), (begin, _, name) in zip(spans, spans[1:]):
-            if begin < prev_end:
-                self._fail(f"tensors {prev!r} and {name!r} overlap")
+        # 5. nothing but the last tensor's alignment padding may follow the data
+        if infos:
+            name, _, _, rel_offset, nbytes = infos[-1]
+            data_end = data_start + rel_offset + nbytes
+            if self.file_size > data_start + expected:
+                self._fail(
+                    f"{self.file_size - data_end} bytes follow the last tensor {name!r}, which "
+                    f"ends at {data_end} (at most its padding to {alignment} is allowed): the "
+                    "tensor table does not describe this file; was a tensor's type or shape "
+                    "changed?"
+                )
         self.data_offset = data_start
         self.alignment = alignment
 
-    def _check_tensor(
-        self,
-        name: str,
-        ne: tuple[int, ...],
-        qtype: GGMLQuantizationType,
-        rel_offset: int,
-        data_start: int,
-        alignment: int,
-    ) -> GGUFTensorInfo:
-        if name in self._tensors:
-            self._fail(f"duplicate tensor name {name!r}")
+    def _read_tensor_info(
+        self, cur: GGUFCursor, i: int
+    ) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int, int]:
+        """One tensor description: (name, ne fastest-first, type, relative offset, nbytes)."""
+        name = cur.string(f"name of tensor #{i}")
+        if len(name.encode("utf-8")) > MAX_NAME_BYTES:
+            self._fail(
+                f"tensor #{i} name {name[:80]!r} is longer than {MAX_NAME_BYTES} bytes "
+                "(llama.cpp's limit)"
+            )
+        n_dims = cur.u32(f"tensor {name!r} n_dims")
+        if n_dims > MAX_DIMS:
+            self._fail(f"tensor {name!r} has {n_dims} dimensions (at most {MAX_DIMS})")
+        ne = tuple(cur.u64(f"tensor {name!r} dims") for _ in range(n_dims))
+        type_id = cur.u32(f"tensor {name!r} type")
+        rel_offset = cur.u64(f"tensor {name!r} offset")
+        if any(d >= _INT64_LIMIT for d in ne) or math.prod(ne) >= _INT64_LIMIT - 1:
+            self._fail(f"tensor {name!r} has dimensions {list(ne)}: more elements than int64 holds")
+        try:
+            qtype = GGMLQuantizationType(type_id)
+        except ValueError:
+            self._fail(f"tensor {name!r} has unknown ggml type id {type_id}")
         block_size, type_size = GGML_QUANT_SIZES[qtype]
         row = ne[0] if ne else 1
         if row % block_size != 0:
@@ -312,18 +342,18 @@ class GGUFFile:
                 f"tensor {name!r}: row length {row} is not a multiple of the "
                 f"{qtype.name} block size {block_size}"
             )
-        if rel_offset % alignment != 0:
-            self._fail(f"tensor {name!r}: offset {rel_offset} is not aligned to {alignment}")
         nbytes = math.prod(ne) // block_size * type_size
-        start = data_start + rel_offset
+        return name, ne, qtype, rel_offset, nbytes
+
+    def _check_in_file(
+        self, name: str, ne: tuple[int, ...], qtype: GGMLQuantizationType, start: int, nbytes: int
+    ) -> None:
         if start + nbytes > self.file_size:
             self._fail(
                 f"tensor {name!r} ({qtype.name} {list(reversed(ne))}) needs bytes "
                 f"[{start}, {start + nbytes}) but the file ends at {self.file_size}: "
                 "the file is truncated or its tensor table is corrupt"
             )
-        shape = tuple(reversed(ne))  # torch order: GGUF lists the fastest dimension first
-        return GGUFTensorInfo(name, qtype.name, shape, start, nbytes)
 
     # ----- access --------------------------------------------------------------------------
 
@@ -405,6 +435,7 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_LAYER_INDEX = re.compile(r"0|[1-9][0-9]*")
 # Present in llama.cpp's Llama 3 files but not weights: the llama3 RoPE frequency
 # factors, which we recompute from the rope-scaling metadata (see pagedllm.config).
 IGNORED_TENSORS = frozenset({"rope_freqs.weight"})
@@ -415,7 +446,14 @@ def hf_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)  # blk, i, rest
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+    # i as llama.cpp prints it ("blk.%d"): "blk.01" or "blk.²" is no layer, and must not
+    # land on (and overwrite) layer 1's weights.
+    if (
+        len(parts) == 3
+        and parts[0] == "blk"
+        and _LAYER_INDEX.fullmatch(parts[1])
+        and parts[2] in _LAYER_NAMES
+    ):
         return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
     return None
 
@@ -427,10 +465,10 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     HF rows (h, half a, j) sit at GGUF row (h, j, a). We read the (rows, cols)
     GGUF matrix as (n_head, D/2, 2, cols) and swap the middle axes back.
     """
-    rows = w.shape[0]
-    if rows % (2 * n_head) != 0:
+    # (a 0-d tensor, from a corrupt tensor table, has no rows to permute)
+    if w.dim() == 0 or w.shape[0] % (2 * n_head) != 0:
         raise ValueError(f"cannot un-permute {tuple(w.shape)} over {n_head} heads")
-    half = rows // n_head // 2  # D/2
+    half = w.shape[0] // n_head // 2  # D/2
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
@@ -500,9 +538,18 @@ def load_gguf_state_dict(
         tensors: dict[str, torch.Tensor] = {}
         for name, target in plan.items():
             t = g.load_tensor(name, dtype=dtype, device=device)
+            heads = None
             if name.endswith(".attn_q.weight"):
-                t = unpermute_qk(t, n_head)
+                heads = n_head
             elif name.endswith(".attn_k.weight"):
-                t = unpermute_qk(t, n_kv_head)
+                heads = n_kv_head
+            if heads is not None:
+                try:
+                    t = unpermute_qk(t, heads)
+                except ValueError as e:
+                    raise ValueError(
+                        f"{g.path}: tensor {name!r}: {e}; check the attention.head_count "
+                        "metadata against the tensor shapes"
+                    ) from None
             tensors[target] = t
     return meta, tensors

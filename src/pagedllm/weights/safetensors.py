@@ -7,16 +7,27 @@ shards. Does not own: what the names mean (the model maps them), GGUF
 (`weights/gguf.py`), or writing files. The `safetensors` package is used only
 by the tests, as the oracle.
 
-Invariants, checked before any tensor is touched:
+Invariants, checked before any tensor is touched (the rules of the reference
+reader, the `safetensors` package, so that we never accept a file it rejects):
 - the header length is at most `MAX_HEADER_BYTES` and fits inside the file;
-- the header is a JSON object; `__metadata__`, when present, maps str -> str;
-- every tensor has a supported dtype (BF16, F16, F32), a shape of
-  non-negative ints, and `data_offsets = [begin, end]` with
-  `0 <= begin <= end <= data size` and `end - begin == numel * itemsize`;
-- no two non-empty tensors share a byte (gaps between tensors are allowed).
+- the header is strict JSON (no NaN/Infinity, no lone surrogates) holding an
+  object; `__metadata__`, when present, maps str -> str;
+- every tensor entry holds exactly `dtype`, `shape` and `data_offsets`: a
+  supported dtype (BF16, F16, F32), a shape of non-negative ints whose
+  element count fits 64 bits, and `[begin, end]` with
+  `end - begin == numel * itemsize`;
+- the tensors tile the data area exactly: sorted by offsets, each begins where
+  the previous one ended (no gap, no overlap; an empty tensor too), the first
+  at 0, and the last ends at the end of the file. A header length one byte
+  off (space-padded JSON still parses) therefore fails here instead of
+  reading every tensor one byte out of place.
 Any violation raises `ValueError` naming the file and the defect; nothing is
 allocated in proportion to a number read from the file before it is checked
 against the file's real size.
+
+Stricter than the reference, on purpose: a repeated JSON key, and a tensor
+entry with keys beyond the three, are refused (the reference silently keeps
+one copy or ignores the extra key; neither appears in a file any writer makes).
 
 Memory: the file is mapped copy-on-write (`ACCESS_COPY`), so tensors are
 zero-copy, writable views whose writes never reach the disk. A view keeps
@@ -38,7 +49,11 @@ import torch
 
 # A real header is a few hundred KB even for 400B-parameter checkpoints; the
 # bound stops a corrupt length field from making us read or allocate gigabytes.
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+# The same limit as the reference reader's MAX_HEADER_SIZE.
+MAX_HEADER_BYTES = 100_000_000
+# Shapes and offsets are `usize` in the reference reader: larger is corruption.
+_U64_LIMIT = 2**64
+_ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -70,6 +85,26 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"duplicate key {key!r} in the JSON header")
         out[key] = value
     return out
+
+
+def _no_constants(name: str) -> NoReturn:
+    # Python's json accepts NaN, Infinity and -Infinity; JSON (and the reference) does not.
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _json_int(text: str) -> int | float:
+    # `-0` is an integer to Python but a float to the reference's JSON parser, which
+    # then refuses it as a shape or offset: hand back a float so that we refuse it too.
+    return -0.0 if text == "-0" else int(text)
+
+
+def _is_utf8(text: str) -> bool:
+    """False for a string holding a lone surrogate (JSON `\\ud800`), which is not text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class _TensorEntry:
@@ -138,7 +173,12 @@ class SafetensorsFile:
     ) -> tuple[dict[str, str], dict[str, _TensorEntry]]:
         try:
             text = header_bytes.decode("utf-8")
-            header = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+            header = json.loads(
+                text,
+                object_pairs_hook=_no_duplicate_keys,
+                parse_constant=_no_constants,
+                parse_int=_json_int,
+            )
         except (UnicodeDecodeError, ValueError) as e:
             self._fail(f"header is not valid JSON: {e}")
         except RecursionError:
@@ -152,9 +192,12 @@ class SafetensorsFile:
             metadata = {}
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             self._fail("__metadata__ must be an object mapping strings to strings")
+        for text in (*metadata, *metadata.values(), *header):
+            if not _is_utf8(text):
+                self._fail(f"string {text!r} in the header holds a lone surrogate escape")
 
         entries = {name: self._parse_entry(name, info, data_size) for name, info in header.items()}
-        self._check_no_overlap(entries)
+        self._check_tiling(entries, data_size)
         return metadata, entries
 
     def _parse_entry(self, name: str, info: Any, data_size: int) -> _TensorEntry:
@@ -163,6 +206,12 @@ class SafetensorsFile:
         for key in ("dtype", "shape", "data_offsets"):
             if key not in info:
                 self._fail(f"tensor {name!r}: missing {key!r}")
+        extra = sorted(set(info) - _ENTRY_KEYS)
+        if extra:
+            self._fail(
+                f"tensor {name!r}: unexpected keys {extra} "
+                "(an entry holds only dtype, shape and data_offsets)"
+            )
         dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
 
         if not isinstance(dtype_name, str):
@@ -173,7 +222,9 @@ class SafetensorsFile:
                 f"tensor {name!r}: {kind} dtype {dtype_name!r} "
                 f"(supported: {', '.join(SUPPORTED_DTYPES)})"
             )
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(
+            _is_int(d) and 0 <= d < _U64_LIMIT for d in shape
+        ):
             self._fail(f"tensor {name!r}: shape {shape!r} is not a list of non-negative ints")
         if (
             not isinstance(offsets, list)
@@ -187,8 +238,14 @@ class SafetensorsFile:
                 f"tensor {name!r}: data_offsets [{begin}, {end}] outside the data area "
                 f"of {data_size} bytes (or begin > end)"
             )
-        # math.prod on Python ints cannot overflow; a silly shape just fails the span check.
-        expected = math.prod(shape) * _DTYPES[dtype_name][1].itemsize
+        # The element count, multiplied left to right, must fit 64 bits at every step
+        # (the reference's checked_mul): [2**40, 2**40, 0] has 0 elements but is corrupt.
+        numel = 1
+        for d in shape:
+            numel *= d
+            if numel >= _U64_LIMIT:
+                self._fail(f"tensor {name!r}: shape {shape} has more elements than 64 bits count")
+        expected = numel * _DTYPES[dtype_name][1].itemsize
         if end - begin != expected:
             self._fail(
                 f"tensor {name!r}: data_offsets span {end - begin} bytes but "
@@ -196,12 +253,29 @@ class SafetensorsFile:
             )
         return _TensorEntry(name, dtype_name, tuple(shape), begin, end)
 
-    def _check_no_overlap(self, entries: dict[str, _TensorEntry]) -> None:
-        # Empty tensors own no bytes, so they may sit anywhere inside the data area.
-        spans = sorted((e.begin, e.end, e.name) for e in entries.values() if e.end > e.begin)
-        for (_, prev_end, prev_name), (begin, _, name) in zip(spans, spans[1:]):
-            if begin < prev_end:
+    def _check_tiling(self, entries: dict[str, _TensorEntry], data_size: int) -> None:
+        """The tensors, sorted by (begin, end), cover [0, data_size) with no gap or overlap.
+
+        This is the reference reader's rule, empty tensors included: an empty
+        tensor must sit where the previous tensor ends."""
+        covered, prev_name = 0, None
+        for begin, end, name in sorted((e.begin, e.end, e.name) for e in entries.values()):
+            if begin < covered:
                 self._fail(f"tensors {prev_name!r} and {name!r} overlap")
+            if begin > covered:
+                after = "at the start" if prev_name is None else f"after tensor {prev_name!r}"
+                self._fail(
+                    f"gap of {begin - covered} bytes in the data area {after} "
+                    f"(tensor {name!r} begins at {begin}, expected {covered}): "
+                    "the header does not describe this data"
+                )
+            covered, prev_name = end, name
+        if covered != data_size:
+            self._fail(
+                f"the tensors cover {covered} bytes but the data area holds {data_size}: "
+                "the header length or the offsets are wrong, or the file was truncated "
+                "or padded (the safetensors package refuses it too: file not fully covered)"
+            )
 
     # ----- access --------------------------------------------------------------------------
 
