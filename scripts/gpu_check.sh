@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: the GPU tests, then GPU.md's three workloads on the
+# One device call: the GPU tests, then the three workloads of docs/gpu.md on the
 # Llama-3.2-1B preset with random bf16 weights, each beside transformers.
 #
 #   run (device tool):  PAGEDLLM_COMMIT=<short sha> bash scripts/gpu_check.sh

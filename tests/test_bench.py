@@ -1,6 +1,6 @@
 """The benchmark harness on a tiny random model: CPU, seconds, no downloads.
 
-What is checked: workload 1's draw is GPU.md's (sum(max_tokens) == 133,966);
+What is checked: workload 1's draw is docs/gpu.md's (sum(max_tokens) == 133,966);
 each workload runs end to end through `bench_main`, printing a table and then
 one JSON line with the documented fields; `--peer hf` runs transformers on
 the very weights we run (its logits match ours).
@@ -41,6 +41,7 @@ RECORD_FIELDS = {
     "peer",
     "ratio",
     "command",
+    "threads",
 }
 SMALL = ["--threads", "1", "--kv-cache-mib", "4"]
 TINY_RUNS = {
@@ -64,7 +65,7 @@ def _last_json(out: str) -> dict:
 
 
 # ---------------------------------------------------------------- workloads
-def test_throughput_draw_is_gpu_md():
+def test_throughput_draw_is_the_documented_one():
     w = draw_throughput()
     assert w.num_requests == 256
     assert sum(w.max_tokens) == THROUGHPUT_SUM_MAX_TOKENS == 133_966
@@ -107,6 +108,8 @@ def test_workload_end_to_end_with_hf_peer(workload, tiny_dir, tmp_path, capsys):
     assert rec == json.loads(json_path.read_text())
     assert rec["engine"] == "pagedllm" and rec["workload"] == workload
     assert rec["dtype"] == "float32"
+    assert rec["threads"] == 1 and "torch CPU threads: 1" in out  # SMALL has --threads 1
+    assert rec["command"].startswith(f"pagedllm bench {workload} --model ")
     assert rec["peer"]["engine"] == "transformers"
     assert rec["ratio"] > 0
     if workload == "throughput":
@@ -146,6 +149,18 @@ def test_preset_needs_dummy_weights(capsys):
 def test_bad_option_is_an_error(capsys):
     assert bench_main(["ttft", "--output-len", "5"]) == 2
     assert bench_main(["latency", "--runs", "0"]) == 2
+    assert capsys.readouterr().err.count("pagedllm bench: error: ") == 2
+
+
+def test_a_model_that_cannot_be_loaded_is_a_failed_run(tmp_path, capsys):
+    """Exit 1 and one line, as every pagedllm command (2 is for usage errors)."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf")
+    assert bench_main(["latency", "--model", str(bad)]) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error" in line]
+    assert len(lines) == 1 and lines[0].startswith("pagedllm bench: error: "), err
+    assert "Traceback" not in err
 
 
 # ----------------------------------------------------------------- the peer

@@ -393,7 +393,10 @@ def test_rejections_give_the_numbers_and_the_flag() -> None:
         s.add_request(too_long)
     msg = str(info.value)
     assert "prompt (10 tokens) + max_tokens (30) = 40 exceeds max_model_len (32)" in msg
-    assert "--max-model-len" in msg and "max_model_len" in msg
+    # max_model_len is the model's own limit here: raising it cannot help.
+    assert "--max-model-len" not in msg
+    assert "lower max_tokens to 22 or less" in msg
+    assert "shorten the prompt to 2 tokens or fewer" in msg
     assert isinstance(info.value, ValueError)
     assert too_long.finish_reason is FinishReason.REJECTED and too_long.error == msg
 
@@ -412,6 +415,33 @@ def test_rejections_give_the_numbers_and_the_flag() -> None:
     assert s.num_waiting == 2
     run_all(s, [])
     assert all(r.finish_reason is FinishReason.LENGTH for r in good)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "model_max_len", "says", "never"),
+    [
+        # Raising --max-model-len works only up to the model's own positions.
+        (10, 30, 64, ["raise --max-model-len (max_model_len) to 40", "the model has 64"], []),
+        (10, 60, 64, ["lower max_tokens to 22 or less"], ["--max-model-len"]),
+        # The prompt alone is over every limit: only shortening it helps.
+        (40, 5, 32, ["shorten the prompt to 27 tokens or fewer"], ["--max-model-len", "lower"]),
+        (40, 40, 32, ["lower max_tokens to 32 tokens together", "has 32 pos"], ["--max-model"]),
+    ],
+)
+def test_context_advice_leads_somewhere(
+    prompt: int, max_tokens: int, model_max_len: int, says: list[str], never: list[str]
+) -> None:
+    config = SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32, model_max_len=model_max_len
+    )
+    s = Scheduler(config, BlockManager(64, 4))
+    with pytest.raises(RequestRejected) as info:
+        s.add_request(make_request(0, prompt, max_tokens))
+    msg = str(info.value)
+    for text in says:
+        assert text in msg, msg
+    for text in never:
+        assert text not in msg, msg
 
 
 # -------------------------------------------------------- finish / update

@@ -473,8 +473,9 @@ def test_cli_tokenize(capsys: pytest.CaptureFixture[str]) -> None:
     assert tokenize_main(argv) == 0
     assert "(special)" in capsys.readouterr().out
 
-    assert tokenize_main(["x", "--model", "/no/such/model"]) == 1
-    assert "error:" in capsys.readouterr().err
+    assert tokenize_main(["x", "--model", "/no/such/model"]) == 1  # a failed run: one line
+    err = capsys.readouterr().err
+    assert err.startswith("pagedllm tokenize: error: no tokenizer at") and err.count("\n") == 1
     assert tokenize_main([]) == 2  # usage error
 
 
@@ -485,6 +486,14 @@ def test_cli_detokenize(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out == "hi 42\n"
     assert detokenize_main(["1,6004"]) == 0
     assert capsys.readouterr().out == "<|im_start|>hi\n"
-    assert detokenize_main(["12", "abc"]) == 1
-    assert detokenize_main(["99999999"]) == 1
-    assert "outside the vocabulary" in capsys.readouterr().err
+    assert detokenize_main(["19556", "28", "905", "17"]) == 0  # the README's example
+    assert capsys.readouterr().out == "Hello, world!\n"
+    assert detokenize_main(["12", "abc"]) == 2  # usage error: not an id
+    assert "pagedllm detokenize: error: token ids must be whole numbers >= 0, got 'abc'" in (
+        capsys.readouterr().err
+    )
+    assert detokenize_main(["-5"]) == 2
+    capsys.readouterr()
+    assert detokenize_main(["99999999"]) == 1  # a failed run: the id is not in this vocabulary
+    err = capsys.readouterr().err
+    assert err.startswith("pagedllm detokenize: error: ") and "outside the vocabulary" in err

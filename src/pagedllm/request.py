@@ -28,7 +28,8 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # an EOS id, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context
     REJECTED = "rejected"  # could never fit; see Request.error
-    ABORT = "abort"
+    ABORT = "abort"  # aborted by its caller; the tokens made so far are kept
+    ERROR = "error"  # failed alone (see Request.error); the others went on
 
     def __str__(self) -> str:
         return self.value

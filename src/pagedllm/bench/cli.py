@@ -4,10 +4,17 @@
     pagedllm bench throughput --preset llama-3.2-1b --load-format dummy --peer hf
     pagedllm bench throughput --num-requests 16 --max-prompt-len 128 --max-output-len 64
 
-Order of a run: load our model -> build the LLM -> warm-up request -> measure
--> free our engine (its KV pages) -> build the peer from the same weights ->
-warm-up -> measure -> print a table, then one JSON line (last line of stdout).
-Logs go to stderr, so `... | tail -1` is the JSON record.
+Order of a run: check the options -> set the CPU threads -> load our model ->
+build the LLM -> warm-up request -> measure -> free our engine (its KV pages)
+-> build the peer from the same weights -> warm-up -> measure -> print a
+table, then one JSON line (last line of stdout). Logs go to stderr, so
+`... | tail -1` is the JSON record. The workloads and how each figure is
+measured: docs/benchmarks.md; the GPU protocol and vLLM's figures: docs/gpu.md.
+
+Errors, as every `pagedllm` command (`pagedllm/cli.py`): a bad option is a usage
+error (exit 2, argparse's message), found before anything is loaded; a run
+that fails (a model that cannot be loaded) is one line
+`pagedllm bench: error: MESSAGE`, exit 1.
 
 Owns: options, their defaults and the order above. Does not own: timing
 (`ours.py`, `hf_peer.py`) or formatting (`report.py`).
@@ -17,13 +24,27 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import shlex
 import sys
 import time
 from typing import Any
 
+# The CLI's argument types and its one-line error style (see pagedllm/cli.py).
+from pagedllm import cpu_threads
+from pagedllm.cli import (
+    device_name,
+    dtype_name,
+    error,
+    model_len,
+    positive_float,
+    positive_int,
+    power_of_two,
+)
+
+PROG = "pagedllm bench"
 WORKLOADS = ("throughput", "latency", "ttft")
-DEFAULTS = {  # per workload: (prompt_len, output_len, runs); GPU.md's shapes
+DEFAULTS = {  # per workload: (prompt_len, output_len, runs); docs/gpu.md's shapes
     "latency": (128, 512, 1),
     "ttft": (1024, 1, 5),
 }
@@ -31,8 +52,9 @@ DEFAULTS = {  # per workload: (prompt_len, output_len, runs); GPU.md's shapes
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="pagedllm bench",
-        description="Run one of GPU.md's standard workloads; print a table and one JSON line.",
+        prog=PROG,
+        description="Run one of the standard workloads (docs/benchmarks.md, docs/gpu.md); "
+        "print a table and one JSON line.",
     )
     p.add_argument("workload", choices=WORKLOADS)
     m = p.add_argument_group("model")
@@ -46,44 +68,54 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="dummy: random weights of the config's shape, made on the device (no file)",
     )
-    m.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    m.add_argument("--device", type=device_name, help="cpu or cuda (default: cuda when available)")
     m.add_argument(
-        "--dtype", help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on CUDA)"
+        "--dtype",
+        type=dtype_name,
+        help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on CUDA)",
     )
     e = p.add_argument_group("engine")
-    e.add_argument("--kv-cache-mib", type=float, help="KV page pool size (K+V, all layers)")
+    e.add_argument(
+        "--kv-cache-mib", type=positive_float, help="KV page pool size (K+V, all layers)"
+    )
     e.add_argument("--batching", choices=("continuous", "static"), default="continuous")
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    e.add_argument("--max-model-len", type=int)
+    e.add_argument("--block-size", type=power_of_two, default=16)
+    e.add_argument("--max-num-seqs", type=positive_int, default=256)
+    e.add_argument("--max-num-batched-tokens", type=positive_int, default=16384)
+    e.add_argument("--max-model-len", type=model_len)
     w = p.add_argument_group("workload")
     w.add_argument(
-        "--num-requests", type=int, default=256, help="throughput: requests (default 256)"
+        "--num-requests", type=positive_int, default=256, help="throughput: requests (default 256)"
     )
     w.add_argument(
-        "--max-prompt-len", type=int, help="throughput: scale drawn prompt lengths to <= N"
+        "--max-prompt-len", type=positive_int, help="throughput: scale drawn prompt lengths to <= N"
     )
     w.add_argument(
-        "--max-output-len", type=int, help="throughput: scale drawn output lengths to <= N"
+        "--max-output-len", type=positive_int, help="throughput: scale drawn output lengths to <= N"
     )
-    w.add_argument("--prompt-len", type=int, help="latency: 128, ttft: 1024 by default")
-    w.add_argument("--output-len", type=int, help="latency: new tokens (default 512)")
-    w.add_argument("--runs", type=int, help="measured runs after warm-up (latency 1, ttft 5)")
-    w.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    w.add_argument("--prompt-len", type=positive_int, help="latency: 128, ttft: 1024 by default")
+    w.add_argument("--output-len", type=positive_int, help="latency: new tokens (default 512)")
+    w.add_argument(
+        "--runs", type=positive_int, help="measured runs after warm-up (latency 1, ttft 5)"
+    )
+    w.add_argument(
+        "--threads",
+        type=positive_int,
+        help=f"torch CPU threads (default: {cpu_threads.POLICY_SUMMARY})",
+    )
     o = p.add_argument_group("peer and output")
     o.add_argument(
         "--peer", choices=("none", "hf"), default="none", help="hf: transformers after ours"
     )
     o.add_argument(
         "--peer-num-blocks",
-        type=int,
+        type=positive_int,
         help="transformers CB cache blocks (default: its own sizing on CUDA; on CPU the tokens "
         "of our KV pool)",
     )
     o.add_argument(
         "--peer-max-batch-tokens",
-        type=int,
+        type=positive_int,
         help="transformers CB tokens per step (default: its own on CUDA, 512 on CPU)",
     )
     o.add_argument("--json", metavar="PATH", help="also write the JSON line to PATH")
@@ -91,36 +123,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def bench_main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    import torch
-
-    threads = torch.get_num_threads()
+    parser = build_parser()
     try:
-        _check(args)
+        args = parser.parse_args(argv)
+        _check(parser, args)
+    except SystemExit as e:  # --help (0) or a usage error (2)
+        return int(e.code or 0)
+    try:
         return _run(args, argv)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"pagedllm bench: error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        torch.set_num_threads(threads)  # --threads is for this run only
+    except BrokenPipeError:
+        raise  # an OSError, but the CLI's own exit (141), not a failed run
+    except (ValueError, OSError) as e:  # a model that cannot be loaded or run
+        return error(PROG, e)
 
 
-def _check(args: argparse.Namespace) -> None:
-    for name in (
-        "num_requests",
-        "max_prompt_len",
-        "max_output_len",
-        "prompt_len",
-        "output_len",
-        "runs",
-    ):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Options that are wrong together: usage errors (exit 2), before anything loads."""
     if args.preset and args.model:
-        raise ValueError("give --model or --preset, not both")
+        parser.error("give --model or --preset, not both")
+    if args.preset and args.load_format != "dummy":
+        parser.error(f"preset {args.preset!r} ships a config, not weights: add --load-format dummy")
     if args.workload == "ttft" and args.output_len not in (None, 1):
-        raise ValueError("ttft makes exactly one token; --output-len does not apply")
+        parser.error("ttft makes exactly one token; --output-len does not apply")
 
 
 def _log(msg: str) -> None:
@@ -128,12 +152,11 @@ def _log(msg: str) -> None:
 
 
 def _run(args: argparse.Namespace, argv: list[str]) -> int:
+    threads = cpu_threads.apply_thread_policy(args.threads)  # before the load: it counts too
     import torch
 
     from pagedllm.bench import machine, ours, workloads
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     # 1. Our model and the workload (ids folded into small vocabularies).
     spec = ours.ModelSpec(args.model, args.preset, args.load_format)
     t0 = time.perf_counter()
@@ -145,6 +168,8 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         "commit": machine.git_commit(),
         "device": machine.device_name(model.device),
         "dtype": str(model.dtype).removeprefix("torch."),
+        "threads": threads,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "model": spec.describe(),
         "workload_description": work.description + ", greedy, EOS ignored",
         "command": "pagedllm bench " + " ".join(shlex.quote(a) for a in argv),
@@ -263,7 +288,7 @@ def _add_bandwidth(result, context: dict[str, Any]) -> None:
 
 
 def _peer_cb_options(args: argparse.Namespace, device, kv_tokens: int) -> dict[str, Any]:
-    """transformers' continuous-batching cache: its own sizing on CUDA (as GPU.md measured);
+    """transformers' continuous-batching cache: its own sizing on CUDA (as docs/gpu.md measured);
     on the CPU, as many tokens as our KV pool, and a modest step (its auto-sizing is for GPUs
     and takes minutes of warm-up on a CPU)."""
     opts: dict[str, Any] = {}

@@ -81,6 +81,8 @@ def build_record(
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": context.get("device"),
         "dtype": context.get("dtype"),
+        "threads": context.get("threads"),  # torch CPU (intra-op) threads
+        "omp_wait_policy": context.get("omp_wait_policy"),
         "model": context.get("model"),
         "workload": workload,
         "workload_description": context.get("workload_description"),
@@ -116,6 +118,8 @@ def format_table(workload: str, ours: BenchResult, peer: BenchResult | None, con
     lines = [
         f"pagedllm bench {workload}: {context.get('model')} on {context.get('device')}, "
         f"{context.get('dtype')}, commit {context.get('commit')}",
+        f"torch CPU threads: {context.get('threads')} "
+        f"(OMP_WAIT_POLICY={context.get('omp_wait_policy') or 'unset'})",
         f"workload: {context.get('workload_description')}",
     ]
     if "bandwidth_gbps" in context:

@@ -1,4 +1,4 @@
-"""The three standard workloads of `../shared/GPU.md`, drawn exactly as written there.
+"""The three standard workloads of `docs/gpu.md`, drawn exactly as written there.
 
 Owns: the prompts (token-id lists) and per-request output lengths of each
 workload, and the check that the throughput draw is the published one. Does
@@ -62,13 +62,13 @@ def draw_throughput(
     max_output_len: int | None = None,
     vocab_size: int | None = None,
 ) -> Workload:
-    """Workload 1: the GPU.md draw, with `num_requests` in place of 256.
+    """Workload 1: the draw of docs/gpu.md, with `num_requests` in place of 256.
 
     With `max_prompt_len` / `max_output_len` (small CPU runs) every drawn length
     is scaled by limit/1024 (rounded up): the same mix of short and long
     requests, shorter. Prompts keep the prefix of their drawn ids.
     """
-    # 1. The draw, verbatim from GPU.md (prompts first, then all output lengths).
+    # 1. The draw, verbatim from docs/gpu.md (prompts first, then all output lengths).
     rng = random.Random(0)
     prompts = [
         [rng.randint(0, PROMPT_ID_HIGH) for _ in range(rng.randint(DRAW_MIN_LEN, DRAW_MAX_LEN))]
@@ -82,7 +82,7 @@ def draw_throughput(
     prompts = [fold_to_vocab(p[: _scale(len(p), max_prompt_len)], vocab_size) for p in prompts]
     max_tokens = [_scale(m, max_output_len) for m in max_tokens]
     scaled = max_prompt_len is not None or max_output_len is not None
-    desc = f"{num_requests} requests drawn with random.Random(0) as in GPU.md"
+    desc = f"{num_requests} requests drawn with random.Random(0) as in docs/gpu.md"
     if scaled:
         desc += (
             f", lengths scaled to prompt <= {max_prompt_len or DRAW_MAX_LEN}, "

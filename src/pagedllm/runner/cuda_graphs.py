@@ -108,6 +108,15 @@ class DecodeGraphs:
         step's copies: safe because the engine reads the sampled ids (a sync) every
         step. An engine that prepares step n+1 while step n runs must first record
         an event after these copies and wait on it before writing again."""
+        try:
+            return self._run(scheduled)
+        except BaseException:
+            # Interrupted (Ctrl-C, an error) between noting a row's owner and
+            # copying its table: forget every owner, so the next step resends all.
+            self.row_owner = [None] * len(self.row_owner)
+            raise
+
+    def _run(self, scheduled: list[Request]) -> torch.Tensor:
         b = len(scheduled)
         bucket = next(x for x in self.buckets if x >= b)
         bs = self.runner.block_size

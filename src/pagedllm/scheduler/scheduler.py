@@ -42,6 +42,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # most requests running at once
     max_num_batched_tokens: int = 8192  # token budget of a prefill step (see module doc)
     max_model_len: int  # prompt + generated tokens of one request
+    # The model's own limit (its positions), which max_model_len may not exceed;
+    # only used to give advice that leads somewhere. None: the same as max_model_len.
+    model_max_len: int | None = None
     batching: str = "continuous"  # "continuous": admit every step; "static": group by group
 
     def __post_init__(self) -> None:
@@ -123,11 +126,12 @@ class Scheduler:
         rid = request.request_id
         if prompt == 0:
             return f"request {rid}: the prompt is empty; give at least one token"
-        if prompt + max_tokens > self.config.max_model_len:
+        limit = self.config.max_model_len
+        if prompt + max_tokens > limit:
             return (
                 f"request {rid}: prompt ({prompt} tokens) + max_tokens ({max_tokens}) = "
-                f"{prompt + max_tokens} exceeds max_model_len ({self.config.max_model_len}); "
-                f"raise --max-model-len (max_model_len) or lower max_tokens"
+                f"{prompt + max_tokens} exceeds max_model_len ({limit}); "
+                + self._context_advice(prompt, max_tokens)
             )
         bm = self.block_manager
         need = bm.reservation_blocks(request)
@@ -140,6 +144,24 @@ class Scheduler:
                 f"raise --kv-cache-mib (kv_cache_mib) or lower max_tokens"
             )
         return None
+
+    def _context_advice(self, prompt: int, max_tokens: int) -> str:
+        """What to do about a request over max_model_len: only advice that can work."""
+        limit = self.config.max_model_len
+        model_limit = max(self.config.model_max_len or limit, limit)
+        options = []
+        if limit < prompt + max_tokens <= model_limit:
+            options.append(f"raise --max-model-len (max_model_len) to {prompt + max_tokens}")
+        if prompt < limit:
+            options.append(f"lower max_tokens to {limit - prompt} or less")
+        if max_tokens < limit:
+            options.append(f"shorten the prompt to {limit - max_tokens} tokens or fewer")
+        if not options:
+            options.append(f"shorten the prompt and lower max_tokens to {limit} tokens together")
+        where = f"the model has {model_limit} positions"
+        if limit < model_limit:
+            where += f", max_model_len is {limit}"
+        return " or ".join(options) + f" ({where})"
 
     # -------------------------------------------------------------- planning
     def schedule(self) -> SchedulerOutput:
@@ -298,6 +320,10 @@ class Scheduler:
         request.finish(reason, stop_reason)
 
     # --------------------------------------------------------------- queries
+    def owns(self, request: Request) -> bool:
+        """Whether `request` is waiting or running here."""
+        return request in self.running or request in self.waiting
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -8,8 +8,11 @@ tokenization logic.
     pagedllm tokenize --model path/to/model.gguf --special "<|im_start|>hi"
     pagedllm detokenize 9906 11 1917 0 --tokenizer path/to/tokenizer.json
 
-Both return a process exit code: 0 on success, 1 when the tokenizer cannot be
-loaded or the input is invalid, 2 for a usage error (argparse's code).
+Both return a process exit code, in the style of every `pagedllm` command
+(see `pagedllm/cli.py`): 0 on success; 2 for a usage error, such as an id that
+is not a whole number >= 0 (argparse's code and its `PROG: error:` line); 1 when
+the run fails, such as a tokenizer that cannot be loaded or an id outside its
+vocabulary, printed as one line `pagedllm tokenize: error: MESSAGE`.
 """
 
 from __future__ import annotations
@@ -45,6 +48,22 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Nam
         return int(e.code or 0)
 
 
+def _usage_error(parser: argparse.ArgumentParser, message: object) -> int:
+    """A bad argument found after parsing: argparse's usage line and message; exit code 2."""
+    try:
+        parser.error(str(message))
+    except SystemExit as e:
+        return int(e.code or 2)
+    return 2
+
+
+def _error(parser: argparse.ArgumentParser, message: object) -> int:
+    """A failed run: `PROG: error: MESSAGE` on one line of stderr; exit code 1."""
+    text = " ".join(line.strip() for line in str(message).splitlines() if line.strip())
+    print(f"{parser.prog}: error: {text}", file=sys.stderr)
+    return 1
+
+
 def _piece(tok: Tokenizer, token_id: int) -> str:
     """How one token reads: its text, or its bytes when it is part of a character."""
     data = tok.token_bytes(token_id)
@@ -74,12 +93,11 @@ def tokenize_main(argv: Sequence[str]) -> int:
     args = _parse(parser, argv)
     if isinstance(args, int):
         return args
-    text = sys.stdin.read() if args.text == "-" else args.text
+    text = sys.stdin.read() if args.text == "-" else args.text  # exactly as given
     try:
         tok = _load(args)
     except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _error(parser, e)
     ids = tok.encode(text, args.add_special_tokens, allow_special=args.special)
     if args.json:
         print(json.dumps(ids))
@@ -95,10 +113,15 @@ def tokenize_main(argv: Sequence[str]) -> int:
 
 
 def _parse_ids(values: Sequence[str]) -> list[int]:
-    # Accept "1 2 3", "1,2,3" and "[1, 2, 3]" (what `tokenize --json` prints).
+    """Accept "1 2 3", "1,2,3" and "[1, 2, 3]" (what `tokenize --json` prints).
+
+    Raises ValueError naming the first part that is not a whole number >= 0.
+    """
     ids = []
     for value in values:
         for part in value.replace("[", " ").replace("]", " ").replace(",", " ").split():
+            if not part.isascii() or not part.isdigit():
+                raise ValueError(f"token ids must be whole numbers >= 0, got {part!r}")
             ids.append(int(part))
     return ids
 
@@ -117,14 +140,12 @@ def detokenize_main(argv: Sequence[str]) -> int:
         return args
     try:
         ids = _parse_ids(args.ids)
-    except ValueError:
-        print(f"error: token ids must be integers, got {' '.join(args.ids)!r}", file=sys.stderr)
-        return 1
+    except ValueError as e:
+        return _usage_error(parser, e)
     try:
         tok = _load(args)
         text = tok.decode(ids, skip_special_tokens=args.skip_special_tokens)
     except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _error(parser, e)
     print(text)
     return 0
