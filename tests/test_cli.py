@@ -381,6 +381,13 @@ def test_real_engine_rejects_a_prompt_over_the_context(tiny, capsys):
     assert "prompt 1 (" in _one_error_line(err)
 
 
+def _default_sigint() -> None:
+    # A test run started in the background (`make test &`, nohup, some CI
+    # runners) inherits SIGINT ignored, and so would the child: give it the
+    # default disposition, as a terminal's foreground process has.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(tiny: Path, tokens: int) -> subprocess.Popen:
     argv = ["--model", str(tiny), "--raw", "--ignore-eos", "--kv-cache-mib", "8"]
     return subprocess.Popen(
@@ -388,6 +395,7 @@ def _start(tiny: Path, tokens: int) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=dict(os.environ, PYTHONPATH=str(SRC)),
+        preexec_fn=_default_sigint,
     )
 
 

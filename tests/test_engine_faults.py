@@ -103,6 +103,15 @@ def test_requests_added_to_the_engine_beside_generate(tiny, expected):
 # ------------------------------------------------------------------ Ctrl-C
 
 
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt here, as in a terminal, even when the test
+    run was started in the background (where SIGINT is inherited as ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def sigint_inside(monkeypatch, owner, name: str, times: int = 1) -> list[int]:
     """Make `owner.name` deliver a real SIGINT in the middle of its work."""
     original = getattr(owner, name)
@@ -128,7 +137,7 @@ def sigint_inside(monkeypatch, owner, name: str, times: int = 1) -> list[int]:
         "LLMEngine.abort",  # a second Ctrl-C during the cleanup
     ],
 )
-def test_ctrl_c_anywhere_leaves_nothing_behind(tiny, expected, monkeypatch, where):
+def test_ctrl_c_anywhere_leaves_nothing_behind(tiny, expected, monkeypatch, sigint_raises, where):
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.scheduler import Scheduler
 
