@@ -119,62 +119,26 @@ def _integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
 
 
-def positive_float(text: str) -> float:
-    value = _number(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
-    return value
+def _checked(parse: Callable[[str], Any], ok: Callable[[Any], bool], rule: str):
+    """An argparse type: `parse` the text, then require `ok(value)` ("must be RULE")."""
+
+    def check(text: str) -> Any:
+        value = parse(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}")
+        return value
+
+    return check
 
 
-def positive_int(text: str) -> int:
-    value = _integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
-    return value
-
-
-def power_of_two(text: str) -> int:
-    value = positive_int(text)
-    if value & (value - 1):
-        raise argparse.ArgumentTypeError(f"must be a power of two (8, 16, 32...), got {text!r}")
-    return value
-
-
-def model_len(text: str) -> int:
-    value = _integer(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(
-            f"must be a whole number >= 2 (prompt + output tokens), got {text!r}"
-        )
-    return value
-
-
-def temperature(text: str) -> float:
-    value = _number(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0 is greedy), got {text!r}")
-    return value
-
-
-def top_p(text: str) -> float:
-    value = _number(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1] (1 is off), got {text!r}")
-    return value
-
-
-def top_k(text: str) -> int:
-    value = _integer(text)
-    if value < -1:
-        raise argparse.ArgumentTypeError(f"must be -1 or 0 (off) or >= 1, got {text!r}")
-    return value
-
-
-def min_p(text: str) -> float:
-    value = _number(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1] (0 is off), got {text!r}")
-    return value
+positive_float = _checked(_number, lambda v: v > 0, "a number > 0")
+positive_int = _checked(_integer, lambda v: v >= 1, "a whole number >= 1")
+power_of_two = _checked(positive_int, lambda v: v & (v - 1) == 0, "a power of two (8, 16, 32...)")
+model_len = _checked(_integer, lambda v: v >= 2, "a whole number >= 2 (prompt + output tokens)")
+temperature = _checked(_number, lambda v: v >= 0, ">= 0 (0 is greedy)")
+top_p = _checked(_number, lambda v: 0 < v <= 1, "in (0, 1] (1 is off)")
+top_k = _checked(_integer, lambda v: v >= -1, "-1 or 0 (off) or >= 1")
+min_p = _checked(_number, lambda v: 0 <= v <= 1, "in [0, 1] (0 is off)")
 
 
 def stop_string(text: str) -> str:

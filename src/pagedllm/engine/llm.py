@@ -245,7 +245,16 @@ class LLM:
         }
         return outputs
 
-    def _submit(self, texts, token_lists, params, stream, outputs, live) -> None:
+    def _submit(
+        self,
+        texts: list[str | None],
+        token_lists: list[Any],
+        params: list[SamplingParams],
+        stream: bool,
+        outputs: list[RequestOutput],
+        live: dict[int, tuple[Request, RequestOutput]],
+    ) -> None:
+        """Add each prompt's request; fill `outputs` (all) and `live` (the accepted)."""
         for text, ids, sp in zip(texts, token_lists, params):
             out = RequestOutput(None, text, ids if isinstance(ids, list) else [])
             try:

@@ -1,6 +1,7 @@
 """LLMEngine: the step loop that carries requests from prompt to finished text.
 
-Owns: wiring the layers together and the order of one step (DESIGN.md):
+Owns: wiring the layers together and the order of one step
+(docs/architecture.md, "A request's life"):
 schedule -> build the batch -> forward -> sample -> scheduler.update ->
 detokenize and check stop strings. Does not own: any of those steps' logic,
 each of which lives in its own layer.
@@ -339,7 +340,9 @@ class LLMEngine:
                         results.append(self._postprocess_safely(req, state, new_ids))
             return results
 
-    def _forward_and_sample(self, reqs, num_new, states):
+    def _forward_and_sample(
+        self, reqs: list[Request], num_new: list[int], states: list[RequestState]
+    ) -> tuple[list[int], Any]:
         # Logits of each request's last new token (and of every prompt token,
         # for requests that asked for prompt log-probs).
         full = frozenset(

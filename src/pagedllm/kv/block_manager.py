@@ -4,7 +4,7 @@ Owns: the page budget and every request's block table (its page ids in token
 order; token `i` lives in page `block_table[i // block_size]`). Does not own:
 the K/V tensors (runner), the order in which requests run (scheduler).
 
-Policy (conservative, the default of DESIGN.md): a request reserves at
+Policy (conservative, the default; see docs/architecture.md): a request reserves at
 admission every page it can ever write, so a running request never runs out of
 pages and nothing is ever half-admitted. `append_slots` is the seam for a later
 optimistic policy (allocate as you go, preempt when the pool runs dry).
