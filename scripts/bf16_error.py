@@ -69,9 +69,9 @@ def main() -> None:
         return rel(torch.log_softmax(ours.forward_logits(prompt), -1), ref)
 
     rows["pagedllm triton"] = ours_err()
-    os.environ["PAGEDLLM_OPS"] = "reference"
+    ours.ops_mode = "reference"
     rows["pagedllm reference ops"] = ours_err()
-    del os.environ["PAGEDLLM_OPS"]
+    ours.ops_mode = None  # back to $PAGEDLLM_OPS, else auto (Triton on CUDA)
     for name in (
         "rms_norm",
         "fused_add_rms_norm",

@@ -43,7 +43,7 @@ if settings is not None:
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from pagedllm.model.resolve import default_model_path
+    from pagedllm.resolve import default_model_path
 
     try:
         return default_model_path()

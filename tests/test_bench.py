@@ -3,12 +3,15 @@
 What is checked: workload 1's draw is docs/gpu.md's (sum(max_tokens) == 133,966);
 each workload runs end to end through `bench_main`, printing a table and then
 one JSON line with the documented fields; `--peer hf` runs transformers on
-the very weights we run (its logits match ours).
+the very weights we run (its logits match ours). `prefix` reuses the shared
+prefix only with prefix caching on; `pages` runs every page size under both
+admission policies in a tight pool, and `--plot` draws the pages in use.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -18,6 +21,8 @@ from pagedllm.bench.workloads import (
     THROUGHPUT_SUM_MAX_TOKENS,
     draw_throughput,
     latency_workload,
+    prefix_workload,
+    reusable_prompt_share,
     ttft_workload,
 )
 
@@ -85,6 +90,21 @@ def test_scaled_draw_keeps_the_mix_and_fits_the_vocab():
     scaled = [small.max_tokens[i] for i in order]
     assert scaled == sorted(scaled)
     assert small.prompts[0] == [t % 512 for t in full.prompts[0][: len(small.prompts[0])]]
+
+
+def test_prefix_workload_shares_one_prefix():
+    w = prefix_workload(8, 64, 10, 5, vocab_size=512)
+    assert w.num_requests == 8 and all(len(p) == 74 for p in w.prompts)
+    assert all(p[:64] == w.prompts[0][:64] for p in w.prompts)
+    assert len({tuple(p[64:]) for p in w.prompts}) == 8  # each its own suffix
+    assert w.max_tokens == [5] * 8 and all(0 <= t < 512 for p in w.prompts for t in p)
+    assert prefix_workload(4, 64, 10, 5, 512).prompts == w.prompts[:4]  # deterministic
+    # Full pages of the prefix, in every request but the first, over all prompt tokens.
+    assert reusable_prompt_share(w, 64, 16) == 7 * 64 / (8 * 74)
+    assert reusable_prompt_share(w, 64, 48) == 7 * 48 / (8 * 74)
+    default = prefix_workload()  # the issue's shape
+    assert default.num_requests == 256 and len(default.prompts[0]) == 1024 + 100
+    assert default.output_tokens == 256 * 128
 
 
 def test_batch1_and_ttft_shapes():
@@ -209,3 +229,143 @@ def test_roofline_bytes_read_per_decode_step():
     untied = weight_bytes_per_decode_step(dummy_model(config(False), "cpu", "float32"))
     layer = (64 + 64 * (64 + 2 * 32) + 64 * 64 + 64 + 2 * 96 * 64 + 64 * 96) * 4
     assert tied == untied == 2 * layer + 64 * 4 + 300 * 64 * 4 + 64 * 4
+
+
+# ------------------------------------------------------ prefix and pages
+CONTEXT_FIELDS = {
+    "engine",
+    "version",
+    "commit",
+    "date",
+    "device",
+    "dtype",
+    "threads",
+    "model",
+    "workload",
+    "workload_description",
+    "runs",
+    "command",
+    "options",
+}
+RUN_FIELDS = {"requests", "output_tokens", "seconds", "tokens_per_s", "total_tokens_per_s", "notes"}
+# Two requests at a time: the later ones are admitted after the prefix's pages are written.
+PREFIX_TINY = ["--num-requests", "6", "--prefix-len", "48", "--suffix-len", "8"]
+PREFIX_TINY += ["--output-len", "4", "--max-num-seqs", "2", "--block-size", "16"]
+# 81 tokens of K+V (256 bytes a token) for 6 requests of up to 40 tokens: a tight pool.
+PAGES_TINY = ["--num-requests", "6", "--max-prompt-len", "32", "--max-output-len", "8"]
+PAGES_TINY += ["--page-sizes", "8,16", "--kv-cache-mib", "0.02", "--threads", "1"]
+
+
+def test_prefix_end_to_end(tiny_dir, tmp_path, capsys):
+    json_path = tmp_path / "prefix.json"
+    argv = ["prefix", "--model", str(tiny_dir), *SMALL, *PREFIX_TINY, "--json", str(json_path)]
+    assert bench_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "caching on" in out and "caching off" in out and "prefix cache hit rate (%)" in out
+    assert "total tokens/s (prompt + output)" in out and "a prefix cache can reuse" in out
+    rec = _last_json(out)
+    assert rec == json.loads(json_path.read_text())
+    assert CONTEXT_FIELDS | {"prefix_cache_hit_rate", "ratio", "ratio_of"} <= rec.keys()
+    assert rec["workload"] == "prefix" and rec["command"].startswith("pagedllm bench prefix ")
+    on, off = rec["runs"]
+    assert (on["prefix_caching"], off["prefix_caching"]) == (True, False)
+    for run in (on, off):
+        assert RUN_FIELDS <= run.keys()
+        assert run["requests"] == 6 and run["output_tokens"] == 6 * 4
+        assert run["total_tokens_per_s"] > run["tokens_per_s"] > 0
+        assert run["notes"]["prompt_tokens"] == 6 * (48 + 8)
+    # Caching on reuses the prefix's full pages (at most 3 of them, in 5 requests);
+    # caching off computes every prompt token.
+    hit = on["notes"]["prefix_cache_hit_tokens"]
+    assert 0 < hit <= 5 * 48 and on["notes"]["prefix_cache_hit_rate"] > 0
+    assert off["notes"]["prefix_cache_hit_tokens"] == 0
+    assert off["notes"]["prefix_cache_hit_rate"] == 0
+    assert on["notes"]["prefill_tokens"] < off["notes"]["prefill_tokens"]
+    assert rec["prefix_cache_hit_rate"] == on["notes"]["prefix_cache_hit_rate"]
+    assert rec["prefix_cache_reusable_share"] == round(5 * 48 / (6 * 56), 4)
+    assert rec["ratio"] == round(on["tokens_per_s"] / off["tokens_per_s"], 3)
+
+
+def test_pages_end_to_end(tiny_dir, capsys):
+    argv = ["pages", "--model", str(tiny_dir), *PAGES_TINY]
+    assert bench_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "page size" in out and "admission" in out and "peak MiB" in out
+    assert "--kv-cache-mib 0.02" in out and "fastest: page size" in out
+    rec = _last_json(out)
+    assert CONTEXT_FIELDS | {"kv_cache_mib", "page_sizes", "fastest", "plot"} <= rec.keys()
+    assert rec["kv_cache_mib"] == 0.02 and rec["page_sizes"] == [8, 16] and rec["plot"] is None
+    settings = [(r["block_size"], r["admission"]) for r in rec["runs"]]
+    assert settings == [(8, "reserve"), (8, "optimistic"), (16, "reserve"), (16, "optimistic")]
+    expected = draw_throughput(6, 32, 8, 512).output_tokens
+    for run in rec["runs"]:
+        notes = run["notes"]
+        assert run["output_tokens"] == expected and run["tokens_per_s"] > 0
+        assert notes["block_size"] == run["block_size"]
+        assert 0 < notes["pages_peak_used"] <= notes["pages_total"]
+        assert 0 < notes["pages_peak_used_mib"] <= 0.02
+        assert notes["admission_waits"] >= 0 and notes["preemptions"] >= 0
+        if run["admission"] == "reserve":
+            assert notes["preemptions"] == 0  # a reservation is never taken back
+            assert notes["admission_waits"] > 0  # the pool is tight: not everyone fits
+    assert rec["fastest"]["tokens_per_s"] == max(r["tokens_per_s"] for r in rec["runs"])
+
+
+def test_pages_pool_too_small_for_one_request_is_a_failed_run(tiny_dir, capsys):
+    argv = ["pages", "--model", str(tiny_dir), *PAGES_TINY[:-4], "--kv-cache-mib", "0.002"]
+    assert bench_main(argv) == 1
+    err = capsys.readouterr().err
+    assert "pagedllm bench: error: --kv-cache-mib 0.002 holds" in err and "Traceback" not in err
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path, capsys):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the missing package was found")
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    monkeypatch.setattr("pagedllm.bench.ours.load_model", no_load)
+    assert bench_main(["pages", "--plot", str(tmp_path / "p.png")]) == 1
+    err = capsys.readouterr().err
+    assert "pip install matplotlib" in err and "pagedllm[plot]" in err
+
+
+def test_pages_plot_draws_pages_in_use(tiny_dir, tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the plot extra: pip install matplotlib")
+    png = tmp_path / "pages.png"
+    argv = ["pages", "--model", str(tiny_dir), *PAGES_TINY, "--plot", str(png)]
+    assert bench_main([*argv, "--plot-page-size", "8"]) == 0
+    rec = _last_json(capsys.readouterr().out)
+    assert rec["plot"] == str(png) and rec["plot_page_size"] == 8
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_trace_pages_records_every_step(tiny_dir):
+    """The figure of the plot: pages in use after each step, back to 0 at the end."""
+    from pagedllm.bench import ours
+    from pagedllm.bench.workloads import warmup_workload
+
+    model = ours.load_model(ours.ModelSpec(str(tiny_dir), None, "auto"), "cpu", None)
+    settings = {"kv_cache_mib": 0.02, "block_size": 8, "prefix_caching": False}
+    llm = ours.build_llm(model, settings, lambda s: None)
+    w = draw_throughput(6, 32, 8, 512)
+    trace = ours.trace_pages(llm, w, warmup_workload(512))
+    # One entry per step of the measured call (the warm-up's steps are not in it).
+    assert max(w.max_tokens) <= len(trace) < llm.stats()["steps"]
+    assert 0 < max(trace) <= llm.stats()["pages_total"] and trace[-1] == 0
+
+
+def test_repeated_runs_are_not_served_from_the_prefix_cache(tiny_dir):
+    """ttft and latency repeat one prompt: with prefix caching on (the default), each
+    run must still prefill all of it, or the figure would time a cache hit."""
+    from pagedllm.bench import ours
+    from pagedllm.bench.workloads import warmup_workload
+
+    model = ours.load_model(ours.ModelSpec(str(tiny_dir), None, "auto"), "cpu", None)
+    for run, w in (
+        (ours.run_ttft, ttft_workload(64, 512)),
+        (ours.run_latency, latency_workload(48, 4, 512)),
+    ):
+        llm = ours.build_llm(model, {"kv_cache_mib": 4, "prefix_caching": True}, lambda s: None)
+        run(llm, w, warmup_workload(512), 3)
+        stats = llm.stats()
+        assert stats["prefix_cache_query_tokens"] > 0 and stats["prefix_cache_hit_tokens"] == 0

@@ -67,6 +67,10 @@ class FakeLLM:
             **dict.fromkeys(("pages_total_mib", "pages_peak_used_mib", "pages_free_mib"), 0.5),
             "decode_tokens": 7,
             "decode_steps": 7,
+            "prefix_cache_hit_tokens": 384,
+            "prefix_cache_query_tokens": 1024,
+            "prefix_cache_hit_rate": 0.375,
+            "preemptions": 4,
             "block_size": 16,
             "host_time_per_step_ms": 1.25,
             "threads": 3,
@@ -95,9 +99,10 @@ def _out(text="fake answer", finish_reason="length", error=None):
 @pytest.fixture
 def fake(monkeypatch):
     """`LLM` replaced by a FakeLLM (set `.defaults`, `.fail`, `.outputs` first)."""
-    holder = SimpleNamespace(llm=None, defaults=None, fail=None, outputs=None)
+    holder = SimpleNamespace(llm=None, defaults=None, fail=None, outputs=None, kwargs=None)
 
     def build(**kwargs):
+        holder.kwargs = kwargs
         holder.llm = FakeLLM(holder.defaults, holder.fail, holder.outputs)
         return holder.llm
 
@@ -197,6 +202,10 @@ BAD_OPTIONS = [
     ["--stop", ""],
     ["--dtype", "int8"],
     ["--device", "tpu"],
+    ["--admission", "eager"],
+    ["--batching", "dynamic"],
+    ["--ops", "cuda"],
+    ["--max-num-batched-tokens", "0"],
 ]
 
 
@@ -216,6 +225,117 @@ def test_bench_bad_options_fail_before_loading(no_load, capsys):
     assert bench_main(["latency", "--preset", "llama-3.2-1b"]) == 2  # needs --load-format dummy
     assert time.perf_counter() - t0 < 1.0
     assert capsys.readouterr().err.count("pagedllm bench: error: ") == 3
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["pages", "--page-sizes", "8,12"], "argument --page-sizes: must be a power of two"),
+        (["pages", "--page-sizes", "16,16"], "appears twice"),
+        (["pages", "--block-size", "8"], "every page size of --page-sizes; drop --block-size"),
+        (["pages", "--admission=optimistic"], "both admission policies; drop --admission"),
+        (["pages", "--adm", "reserve"], "drop --admission"),  # argparse's abbreviation
+        (["prefix", "--no-prefix-caching"], "on, then off; drop --prefix-caching"),
+        (["prefix", "--peer", "hf"], "compares pagedllm with itself"),
+        (["throughput", "--plot", "p.png"], "--plot applies to pages only"),
+        (["latency", "--prefix-len", "8"], "--prefix-len applies to prefix only"),
+        (["pages", "--plot", "/no/such/dir/p.png"], "no such directory"),
+        (["prefix", "--max-num-seqs", "64", "--max-num-batched-tokens", "32"], "--max-num-seqs"),
+    ],
+)
+def test_bench_prefix_and_pages_options_fail_before_loading(argv, message, no_load, capsys):
+    assert bench_main(argv) == 2
+    assert message in _one_error_line(capsys.readouterr().err, "pagedllm bench")
+
+
+# ------------------------------------------------------------------ engine flags
+def test_every_engine_setting_has_a_flag_in_the_help(capsys):
+    """One flag per EngineConfig field, in both commands' --help, switches with --no-."""
+    from pagedllm.engine_args import flag_name
+    from pagedllm.engine_config import EngineConfig
+
+    assert cli.main(["--help"]) == 0
+    generate_help = capsys.readouterr().out
+    assert bench_main(["--help"]) == 0
+    bench_help = capsys.readouterr().out
+    for out in (generate_help, bench_help):
+        assert "engine (pagedllm.EngineConfig):" in out
+        for name in EngineConfig.field_names():
+            assert flag_name(name) in out, name
+        for switch in ("prefix-caching", "chunked-prefill", "cuda-graphs"):
+            assert f"--{switch}, --no-{switch}" in out
+        assert "{reserve,optimistic}" in out and "(default 8192)" in out
+    assert "--page-sizes" in bench_help and "--plot" in bench_help
+    assert "prefix" in bench_help and "pages" in bench_help
+
+
+def test_engine_flags_parse_into_an_engine_config():
+    from pagedllm.engine_args import engine_config_from_args
+    from pagedllm.engine_config import EngineConfig
+
+    parser = cli.build_parser()
+    args = parser.parse_intermixed_args(["hi"])
+    assert engine_config_from_args(args) == EngineConfig()  # the defaults are the fields'
+    argv = [
+        *["--model", "m.gguf", "--device", "cpu", "--dtype", "bf16", "--kv-cache-mib", "1.5"],
+        *["--block-size", "32", "--batching", "static", "--admission", "optimistic"],
+        *["--no-prefix-caching", "--no-chunked-prefill", "--max-model-len", "512"],
+        *["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--threads", "2"],
+        *["--ops", "reference", "--no-cuda-graphs", "hi"],
+    ]
+    config = engine_config_from_args(parser.parse_intermixed_args(argv))
+    assert config == EngineConfig(
+        model="m.gguf",
+        device="cpu",
+        dtype="bf16",
+        kv_cache_mib=1.5,
+        block_size=32,
+        batching="static",
+        admission="optimistic",
+        prefix_caching=False,
+        chunked_prefill=False,
+        max_model_len=512,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        threads=2,
+        ops="reference",
+        cuda_graphs=False,
+    )
+    on = parser.parse_intermixed_args(["--no-prefix-caching", "--prefix-caching", "--cuda-graphs"])
+    assert on.prefix_caching is True and on.cuda_graphs is True  # the last one wins
+
+
+def test_a_command_can_change_the_defaults():
+    """The server admits optimistically: `defaults=` changes the default and its help."""
+    import argparse
+
+    from pagedllm.engine_args import add_engine_arguments, engine_config_from_args
+
+    p = argparse.ArgumentParser(prog="pagedllm serve")
+    add_engine_arguments(p, defaults={"admission": "optimistic", "max_num_seqs": 64})
+    config = engine_config_from_args(p.parse_args([]))
+    assert (config.admission, config.max_num_seqs, config.block_size) == ("optimistic", 64, 16)
+    assert "(default optimistic)" in p.format_help() and "(default 64)" in p.format_help()
+    with pytest.raises(TypeError, match="unknown engine setting"):
+        add_engine_arguments(argparse.ArgumentParser(), defaults={"page_size": 8})
+    with pytest.raises(ValueError, match="admission"):
+        add_engine_arguments(argparse.ArgumentParser(), defaults={"admission": "eager"})
+
+
+def test_settings_wrong_together_are_a_usage_error(no_load, capsys):
+    assert cli.main(["--max-num-seqs", "512", "--max-num-batched-tokens", "256", "hi"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "--max-num-batched-tokens (256) must be >= --max-num-seqs (512)" in line
+
+
+def test_the_cli_passes_every_setting_to_the_engine(fake):
+    from pagedllm.engine_config import EngineConfig
+
+    argv = ["--admission", "optimistic", "--no-prefix-caching", "--block-size", "8", "hi"]
+    assert cli.main(argv) == 0
+    assert set(fake.kwargs) == set(EngineConfig.field_names()) | {"log"}
+    assert fake.kwargs["admission"] == "optimistic" and fake.kwargs["prefix_caching"] is False
+    assert fake.kwargs["block_size"] == 8 and fake.kwargs["max_num_batched_tokens"] == 8192
 
 
 # ------------------------------------------------------------------ stdin, sampling
@@ -275,6 +395,10 @@ def test_stats_read_engine_totals_and_last_call(fake, capsys):
     assert "fake answer\n--- stats ---" in out
     assert "16.0" in out and "0.500 s" in out and "1 (0)" in out  # last_call
     assert "2 / 2 / 1" in out and "torch CPU threads               3" in out  # totals
+    assert "prefix cache                    37.5% of prompt tokens reused (384 of 1024)" in out
+    assert "preemptions                     4" in out
+    assert cli.main(["--stats", "--no-prefix-caching", "hi"]) == 0
+    assert "prefix cache                    off (--no-prefix-caching)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("kind", ["missing", "garbage gguf", "truncated gguf", "bad config"])

@@ -19,7 +19,6 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.llm_engine import EngineStalledError
 from pagedllm.kv.block_pool import BlockPool
 from pagedllm.model import load_model
-from pagedllm.sampling.sampler import SamplerOutput
 from pagedllm.tokenizer import Tokenizer
 from tiny_models import make_tiny_llama_dir
 
@@ -52,7 +51,9 @@ def assert_clean(llm: LLM) -> None:
     eng.scheduler.check_invariants()
     assert not eng.scheduler.has_unfinished()
     assert eng.states == {}
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    bm = eng.block_manager
+    assert bm.num_free_blocks == bm.num_blocks  # free or cached, none held
+    assert not any(bm.pool.ref_counts)
 
 
 def assert_still_answers(llm: LLM, expected: list[list[int]]) -> None:
@@ -292,12 +293,12 @@ def test_sampling_params_changed_after_construction_are_checked_again(tiny, fiel
 
 @pytest.mark.parametrize("mib", [float("nan"), float("inf"), "8", 0, -1, True])
 def test_bad_kv_cache_mib_is_refused_before_loading(monkeypatch, mib):
-    import pagedllm.engine.llm_engine as engine_module
+    import pagedllm.runner.model_runner as runner_module
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(engine_module, "load_model", no_load)
+    monkeypatch.setattr(runner_module, "load_model", no_load)
     with pytest.raises(ValueError, match="kv_cache_mib"):
         LLM(kv_cache_mib=mib)
 
@@ -314,31 +315,21 @@ def test_a_loaded_model_with_a_different_dtype_or_device_is_an_error(tiny):
 # ------------------------------------------------- text from scripted tokens
 
 
-class ScriptedSampler:
-    """Stands in for the sampler: row i of each step gets the next id of script i."""
+def scripted(llm: LLM, scripts: dict[int, list[int]]) -> None:
+    """Stand in for sampling: each request that gets a token takes the next id
+    of its script (request id -> ids; 0 once the script is used up)."""
+    scripts = {k: list(v) for k, v in scripts.items()}
+    original = llm.engine.runner.execute
 
-    def __init__(self, scripts: dict[int, list[int]]) -> None:
-        self.scripts = {k: list(v) for k, v in scripts.items()}
+    def execute(plan):
+        result = original(plan)
+        for i, req in enumerate(plan.scheduled):
+            if result.sampled_token_ids[i] is not None:
+                script = scripts[req.request_id]
+                result.sampled_token_ids[i] = script.pop(0) if script else 0
+        return result
 
-    def __call__(self, logits, meta):
-        ids = []
-        for rid in self.order:
-            ids.append(self.scripts[rid].pop(0) if self.scripts[rid] else 0)
-        return SamplerOutput(torch.tensor(ids))
-
-
-def scripted(llm: LLM, scripts: dict[int, list[int]]) -> ScriptedSampler:
-    sampler = ScriptedSampler(scripts)
-    original = llm.engine._forward_and_sample
-
-    def forward_and_sample(reqs, num_new, states):
-        sampler.order = [r.request_id for r in reqs]
-        _, real = original(reqs, num_new, states)
-        out = sampler(None, None)
-        return out.sampled_token_ids.tolist(), out
-
-    llm.engine._forward_and_sample = forward_and_sample
-    return sampler
+    llm.engine.runner.execute = execute
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pagedllm.weights.gguf as wg
-from pagedllm.model.resolve import default_model_path
+from pagedllm.resolve import default_model_path
 from pagedllm.weights import GGUFFile, load_gguf_state_dict
 
 try:  # found without importing the package (its own dependencies are not ours)

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedllm.gguf_metadata import read_gguf_metadata
-from pagedllm.model.resolve import default_model_path
+from pagedllm.resolve import default_model_path
 from pagedllm.tokenizer import Tokenizer
 from pagedllm.tokenizer.loaders import spec_from_gguf_metadata
 

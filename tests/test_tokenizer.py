@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm.bench.tokenizer_bench import llama3_tokenizer_json
-from pagedllm.model.resolve import default_model_path
+from pagedllm.resolve import default_model_path
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
 from pagedllm.tokenizer.bpe import BytePairEncoder
 from pagedllm.tokenizer.bytelevel import BYTE_TO_CHAR, CHAR_TO_BYTE, bytes_to_symbols

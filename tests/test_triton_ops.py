@@ -358,6 +358,65 @@ def test_dispatcher_finds_the_triton_module(monkeypatch):
         assert callable(getattr(impl, name))
 
 
+def test_ops_mode_argument_overrides_the_environment(monkeypatch):
+    """`mode` wins over $PAGEDLLM_OPS either way; None reads the environment as before."""
+    from pagedllm import ops
+
+    monkeypatch.setenv("PAGEDLLM_OPS", "triton")
+    assert ops.implementation("cpu", "reference") is ref
+    assert ops.implementation_name("cpu", "reference") == "reference"
+    assert ops.implementation("cpu") is tri and ops.implementation("cpu", None) is tri
+    monkeypatch.setenv("PAGEDLLM_OPS", "reference")
+    assert ops.implementation("cpu", "triton") is tri
+    assert ops.implementation_name("cpu", "triton") == "triton"
+    assert ops.implementation("cpu", "auto") is ref  # auto: the reference on the CPU
+    assert ops.implementation_name("cpu") == "reference"
+    monkeypatch.delenv("PAGEDLLM_OPS")
+    assert ops.implementation("cpu") is ref  # unset: auto
+    for bad in ("cuda", "Triton", "", 1):
+        with pytest.raises(ValueError, match="ops mode .*: choose 'auto', 'reference', 'triton'"):
+            ops.implementation("cpu", bad)
+        with pytest.raises(ValueError, match="ops mode"):
+            ops.implementation_name("cpu", bad)
+    monkeypatch.setenv("PAGEDLLM_OPS", "bogus")
+    with pytest.raises(ValueError, match="PAGEDLLM_OPS='bogus'"):
+        ops.implementation("cpu")
+    assert ops.implementation("cpu", "reference") is ref  # a given mode never reads the env
+
+
+def test_model_ops_mode_reaches_forward(monkeypatch):
+    """`LlamaModel.ops_mode` picks the implementation its forward runs, over the env."""
+    from pagedllm.config import ModelConfig
+    from pagedllm.model import dummy_model
+
+    config = ModelConfig(300, 64, 96, 2, 4, 2, 16, 1e-5, 1e4, None, False, 256, 1, (2,))
+    model = dummy_model(config, "cpu", "float32", std=0.2)
+    calls = []
+
+    def spy(module):
+        real = module.embedding  # called once per forward
+        monkeypatch.setattr(module, "embedding", lambda *a: calls.append(module) or real(*a))
+
+    spy(ref)
+    spy(tri)
+    prompt = [3, 1, 4, 1, 5, 9]
+    monkeypatch.setenv("PAGEDLLM_OPS", "triton")
+    model.ops_mode = "reference"
+    want = model.forward_logits(prompt)
+    assert calls == [ref]
+    monkeypatch.setenv("PAGEDLLM_OPS", "reference")
+    model.ops_mode = "triton"
+    got = model.forward_logits(prompt)
+    assert calls == [ref, tri]
+    assert rel_err(got, want) < 1e-5
+    model.ops_mode = None  # back to the environment
+    model.forward_logits(prompt)
+    assert calls == [ref, tri, ref]
+    model.ops_mode = "gpu"
+    with pytest.raises(ValueError, match="ops mode 'gpu'"):
+        model.forward_logits(prompt)
+
+
 def test_signatures_match_the_reference():
     import inspect
 

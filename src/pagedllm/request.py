@@ -1,8 +1,8 @@
 """A request's state as it moves through the engine.
 
 Owns: the token lists, how many tokens already have K/V in the cache
-(`num_computed_tokens`), the status, the block table and the timings. Does not
-own: pages (the block manager hands them out) or tensors (the runner makes them).
+(`num_computed_tokens`), the status and the timings. Does not own: pages (the
+block manager keeps every block table) or tensors (the runner makes them).
 
 The one rule that drives scheduling: a request needs
 `num_tokens - num_computed_tokens` more tokens computed. After prefill that is 1
@@ -45,7 +45,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    block_table: list[int] = field(default_factory=list)
+    # Prompt tokens whose K/V came from the prefix cache at first admission.
+    num_cached_tokens: int = 0
+    # Times its pages were taken back (it then recomputes everything it had).
+    num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     # What stopped it: the EOS/stop token id or the stop string.
     stop_reason: int | str | None = None
@@ -53,6 +56,10 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    _num_tokens: int = field(init=False, repr=False, default=0)
+
+    def __post_init__(self) -> None:
+        self._num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -64,7 +71,9 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        # A counter, not len() + len(): the scheduler reads it for every request
+        # every step. Tokens are only ever added through append_output_token.
+        return self._num_tokens
 
     @property
     def max_tokens(self) -> int:
@@ -73,6 +82,15 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole list."""
+        n_prompt = len(self.prompt_token_ids)
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
 
     @property
     def last_token_id(self) -> int:
@@ -86,6 +104,7 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         self.output_token_ids.append(token_id)
+        self._num_tokens += 1
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         self.status = RequestStatus.FINISHED

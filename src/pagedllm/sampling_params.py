@@ -4,7 +4,7 @@ Owns: validation and the resolution of unset fields. A bad value (or a value of
 the wrong type) raises `ValueError` naming the field and the allowed range, at
 construction, before the request reaches the engine. Does not own: the
 sampling itself (`sampling/sampler.py`) or stop-string matching
-(`sampling/stop.py`).
+(`engine/stop_strings.py`).
 
 Unset versus default. The five fields a model's `generation_config.json` may
 set (`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`) default
@@ -26,6 +26,7 @@ new params with `dataclasses.replace`, which validates again.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -64,6 +65,9 @@ def _check_float(name: str, value: Any, ok: bool | None, allowed: str) -> float:
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+_read_defaulted_fields = operator.attrgetter(*VLLM_DEFAULTS)
 
 
 @dataclass
@@ -130,7 +134,8 @@ class SamplingParams:
     # ------------------------------------------------------------ resolution
     @property
     def is_resolved(self) -> bool:
-        return all(getattr(self, name) is not None for name in VLLM_DEFAULTS)
+        # One C call for the five fields (the sampler asks for every request, every step).
+        return None not in _read_defaulted_fields(self)
 
     def resolved(
         self, model_defaults: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None

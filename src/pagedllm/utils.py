@@ -25,7 +25,7 @@ def deferred_interrupts() -> Iterator[None]:
     Why: bookkeeping that spans layers (the scheduler's queues, the block
     manager's tables, the engine's per-request state) must change all or
     nothing. Python raises KeyboardInterrupt between any two bytecodes, so a
-    Ctrl-C inside `BlockManager.allocate` could lose pages for ever. Inside
+    Ctrl-C inside `BlockManager.admit` could lose pages for ever. Inside
     this block a SIGINT is only noted; the KeyboardInterrupt comes when the
     block has finished and the state is whole again. Long work (the forward
     pass) stays outside such blocks, so Ctrl-C stays prompt.

@@ -1,8 +1,15 @@
-"""`pagedllm bench throughput | latency | ttft`: the standard workloads, in one command.
+"""`pagedllm bench throughput | latency | ttft | prefix | pages`: the workloads, in one command.
 
     pagedllm bench latency --peer hf                          # SmolLM2 on this CPU
     pagedllm bench throughput --preset llama-3.2-1b --load-format dummy --peer hf
     pagedllm bench throughput --num-requests 16 --max-prompt-len 128 --max-output-len 64
+    pagedllm bench prefix --num-requests 16 --prefix-len 256 --max-num-batched-tokens 512
+    pagedllm bench pages --plot pages.png                     # page sizes x admission
+
+`prefix` and `pages` compare pagedllm with itself: the same workload on a
+fresh LLM per setting (prefix caching on/off; page size x admission policy),
+the model loaded once. Every other engine setting comes from the flags
+(`engine_args.py`: one flag per `EngineConfig` field).
 
 Order of a run: check the options -> set the CPU threads -> load our model ->
 build the LLM -> warm-up request -> measure -> free our engine (its KV pages)
@@ -16,8 +23,9 @@ error (exit 2, argparse's message), found before anything is loaded; a run
 that fails (a model that cannot be loaded) is one line
 `pagedllm bench: error: MESSAGE`, exit 1.
 
-Owns: options, their defaults and the order above. Does not own: timing
-(`ours.py`, `hf_peer.py`) or formatting (`report.py`).
+Owns: options, their defaults and the order above. Does not own: the engine's
+flags (`engine_args.py`), timing (`ours.py`, `hf_peer.py`), formatting
+(`report.py`) or the figure (`plot.py`).
 """
 
 from __future__ import annotations
@@ -32,33 +40,64 @@ from typing import Any
 
 # The CLI's argument types and its one-line error style (see pagedllm/cli.py).
 from pagedllm import cpu_threads
-from pagedllm.cli import (
-    device_name,
-    dtype_name,
-    error,
-    model_len,
-    positive_float,
+from pagedllm.bench import workloads  # stdlib only: the defaults below
+from pagedllm.cli import error  # the one-line error style of every pagedllm command
+from pagedllm.engine_args import (
+    add_engine_arguments,
+    engine_config_from_args,
+    engine_kwargs,
     positive_int,
     power_of_two,
 )
+from pagedllm.engine_config import ADMISSION_POLICIES, EngineConfig
 
 PROG = "pagedllm bench"
-WORKLOADS = ("throughput", "latency", "ttft")
+WORKLOADS = ("throughput", "latency", "ttft", "prefix", "pages")
 DEFAULTS = {  # per workload: (prompt_len, output_len, runs); docs/gpu.md's shapes
     "latency": (128, 512, 1),
     "ttft": (1024, 1, 5),
 }
+NUM_REQUESTS = {"throughput": 256, "prefix": 256, "pages": 16}
+# pages on a CPU: 16 requests of the throughput draw, scaled to prompt and output
+# <= 128 (943 output tokens), in 24 MiB of pages: with SmolLM2-135M in float32
+# (45 KiB of K+V per token) about a quarter of what they need at once, so both
+# policies wait or preempt, and the longest request (192 tokens) fits at every size.
+PAGES_MAX_LEN, PAGES_KV_CACHE_MIB = 128, 24.0
+PAGE_SIZES = (8, 16, 32, 64)
+
+EPILOG = f"""\
+workloads:
+  throughput  {NUM_REQUESTS["throughput"]} requests drawn as docs/gpu.md says, all at once
+  latency     one request: 128-token prompt, 512 new tokens (batch-1 decode)
+  ttft        one 1024-token prompt, one new token (median of 5)
+  prefix      requests sharing one long prefix, each with its own suffix (defaults: 256
+              requests, 1024-token prefix, 100-token suffix, 128 new tokens), run with
+              prefix caching on and then off. A prompt's pages are shared once written:
+              prompts prefilled in the same step as the first reuse nothing, so keep a
+              step smaller than the workload. CPU: --num-requests 16 --prefix-len 256
+              --suffix-len 32 --output-len 16 --max-num-batched-tokens 512
+  pages       the throughput draw under every page size of --page-sizes and both
+              admission policies, in a tight page pool. Defaults are for a CPU:
+              {NUM_REQUESTS["pages"]} requests scaled to prompt and output <= {PAGES_MAX_LEN}, \
+--kv-cache-mib {PAGES_KV_CACHE_MIB:g}
+              (SmolLM2-135M, float32). On a GPU (Llama-3.2-1B, bf16): --num-requests 256
+              --max-prompt-len 1024 --max-output-len 1024 --kv-cache-mib 1024
+
+Every request is greedy with EOS ignored. docs/benchmarks.md: how each figure is measured.
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
-        description="Run one of the standard workloads (docs/benchmarks.md, docs/gpu.md); "
-        "print a table and one JSON line.",
+        description="Run one of the workloads below (docs/benchmarks.md, docs/gpu.md);\n"
+        "print a table, then one JSON line.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("workload", choices=WORKLOADS)
-    m = p.add_argument_group("model")
-    m.add_argument("--model", help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    groups = add_engine_arguments(p)  # --model, --device, --dtype; --kv-cache-mib, ...
+    m = groups["model"]
     m.add_argument(
         "--preset", help="a shipped config (e.g. llama-3.2-1b); needs --load-format dummy"
     )
@@ -68,99 +107,207 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="dummy: random weights of the config's shape, made on the device (no file)",
     )
-    m.add_argument("--device", type=device_name, help="cpu or cuda (default: cuda when available)")
-    m.add_argument(
-        "--dtype",
-        type=dtype_name,
-        help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on CUDA)",
-    )
-    e = p.add_argument_group("engine")
-    e.add_argument(
-        "--kv-cache-mib", type=positive_float, help="KV page pool size (K+V, all layers)"
-    )
-    e.add_argument("--batching", choices=("continuous", "static"), default="continuous")
-    e.add_argument("--block-size", type=power_of_two, default=16)
-    e.add_argument("--max-num-seqs", type=positive_int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=positive_int, default=16384)
-    e.add_argument("--max-model-len", type=model_len)
     w = p.add_argument_group("workload")
     w.add_argument(
-        "--num-requests", type=positive_int, default=256, help="throughput: requests (default 256)"
-    )
-    w.add_argument(
-        "--max-prompt-len", type=positive_int, help="throughput: scale drawn prompt lengths to <= N"
-    )
-    w.add_argument(
-        "--max-output-len", type=positive_int, help="throughput: scale drawn output lengths to <= N"
-    )
-    w.add_argument("--prompt-len", type=positive_int, help="latency: 128, ttft: 1024 by default")
-    w.add_argument("--output-len", type=positive_int, help="latency: new tokens (default 512)")
-    w.add_argument(
-        "--runs", type=positive_int, help="measured runs after warm-up (latency 1, ttft 5)"
-    )
-    w.add_argument(
-        "--threads",
+        "--num-requests",
         type=positive_int,
-        help=f"torch CPU threads (default: {cpu_threads.POLICY_SUMMARY})",
+        metavar="N",
+        help="throughput, prefix: requests (default 256); pages: 16",
+    )
+    w.add_argument(
+        "--max-prompt-len",
+        type=positive_int,
+        metavar="N",
+        help=f"throughput, pages: scale drawn prompt lengths to <= N (pages: {PAGES_MAX_LEN})",
+    )
+    w.add_argument(
+        "--max-output-len",
+        type=positive_int,
+        metavar="N",
+        help=f"throughput, pages: scale drawn output lengths to <= N (pages: {PAGES_MAX_LEN})",
+    )
+    w.add_argument(
+        "--prompt-len", type=positive_int, metavar="N", help="latency: 128, ttft: 1024 by default"
+    )
+    w.add_argument(
+        "--output-len",
+        type=positive_int,
+        metavar="N",
+        help="new tokens: latency 512, prefix 128 by default",
+    )
+    w.add_argument(
+        "--runs",
+        type=positive_int,
+        metavar="N",
+        help="measured runs after warm-up (latency 1, ttft 5)",
+    )
+    w.add_argument(
+        "--prefix-len",
+        type=positive_int,
+        metavar="N",
+        default=workloads.PREFIX_LEN,
+        help=f"prefix: tokens of the shared prefix (default {workloads.PREFIX_LEN})",
+    )
+    w.add_argument(
+        "--suffix-len",
+        type=positive_int,
+        metavar="N",
+        default=workloads.PREFIX_SUFFIX_LEN,
+        help=f"prefix: each request's own tokens after it (default {workloads.PREFIX_SUFFIX_LEN})",
+    )
+    g = p.add_argument_group("pages")
+    g.add_argument(
+        "--page-sizes",
+        type=_page_sizes,
+        default=PAGE_SIZES,
+        metavar="N,N,...",
+        help="page sizes (tokens) to sweep, each under both admission policies "
+        f"(default {','.join(map(str, PAGE_SIZES))}); the pool is --kv-cache-mib "
+        f"(pages: default {PAGES_KV_CACHE_MIB:g}, see below)",
+    )
+    g.add_argument(
+        "--plot",
+        metavar="PATH.png",
+        help="also draw the pages in use per step, one line per admission policy "
+        "(needs matplotlib: the `plot` extra)",
+    )
+    g.add_argument(
+        "--plot-page-size",
+        type=power_of_two,
+        default=16,
+        metavar="N",
+        help="the page size of the --plot runs (default 16)",
     )
     o = p.add_argument_group("peer and output")
     o.add_argument(
-        "--peer", choices=("none", "hf"), default="none", help="hf: transformers after ours"
+        "--peer",
+        choices=("none", "hf"),
+        default="none",
+        help="hf: transformers after ours (throughput, latency, ttft)",
     )
     o.add_argument(
         "--peer-num-blocks",
         type=positive_int,
+        metavar="N",
         help="transformers CB cache blocks (default: its own sizing on CUDA; on CPU the tokens "
         "of our KV pool)",
     )
     o.add_argument(
         "--peer-max-batch-tokens",
         type=positive_int,
+        metavar="N",
         help="transformers CB tokens per step (default: its own on CUDA, 512 on CPU)",
     )
     o.add_argument("--json", metavar="PATH", help="also write the JSON line to PATH")
     return p
 
 
+def _page_sizes(text: str) -> tuple[int, ...]:
+    """Parse "8,16,32" into (8, 16, 32): each a power of two, none twice."""
+    sizes = tuple(power_of_two(part.strip()) for part in text.split(","))
+    if len(set(sizes)) != len(sizes):
+        raise argparse.ArgumentTypeError(f"a page size appears twice in {text!r}")
+    return sizes
+
+
 def bench_main(argv: list[str]) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-        _check(parser, args)
+        config = _check(parser, args, argv)
     except SystemExit as e:  # --help (0) or a usage error (2)
         return int(e.code or 0)
     try:
-        return _run(args, argv)
+        return _run(args, config, argv)
     except BrokenPipeError:
         raise  # an OSError, but the CLI's own exit (141), not a failed run
     except (ValueError, OSError) as e:  # a model that cannot be loaded or run
         return error(PROG, e)
 
 
-def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Options that are wrong together: usage errors (exit 2), before anything loads."""
+# Flags a workload sets itself: giving them is a usage error, not a silent no-op.
+SWEPT = {
+    "prefix": {"prefix_caching": "prefix runs with prefix caching on, then off"},
+    "pages": {
+        "block_size": "pages runs every page size of --page-sizes",
+        "admission": "pages runs both admission policies",
+    },
+}
+ONLY_FOR = {  # flag dest -> the workload it belongs to
+    "prefix_len": "prefix",
+    "suffix_len": "prefix",
+    "page_sizes": "pages",
+    "plot": "pages",
+    "plot_page_size": "pages",
+}
+
+
+def _check(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]
+) -> EngineConfig:
+    """Options that are wrong together: usage errors (exit 2), before anything loads.
+
+    Returns the engine settings the flags describe.
+    """
     if args.preset and args.model:
         parser.error("give --model or --preset, not both")
     if args.preset and args.load_format != "dummy":
         parser.error(f"preset {args.preset!r} ships a config, not weights: add --load-format dummy")
     if args.workload == "ttft" and args.output_len not in (None, 1):
         parser.error("ttft makes exactly one token; --output-len does not apply")
+    given = _given(parser, argv)
+    for dest, why in SWEPT.get(args.workload, {}).items():
+        if dest in given:
+            parser.error(f"{why}; drop --{dest.replace('_', '-')}")
+    for dest, workload in ONLY_FOR.items():
+        if dest in given and args.workload != workload:
+            parser.error(f"--{dest.replace('_', '-')} applies to {workload} only")
+    if args.workload in SWEPT and args.peer != "none":
+        parser.error(f"{args.workload} compares pagedllm with itself; --peer does not apply")
+    if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+        parser.error(f"--plot {args.plot}: no such directory")
+    if args.workload == "pages" and args.kv_cache_mib is None:
+        args.kv_cache_mib = PAGES_KV_CACHE_MIB  # a tight pool is the point of the sweep
+    return engine_config_from_args(args, parser)
+
+
+def _given(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The dests of the options written in `argv` (argparse's abbreviations included)."""
+    options = parser._option_string_actions
+    given = set()
+    for token in argv:
+        if token == "--":
+            break
+        if not token.startswith("--"):
+            continue
+        name = token.split("=", 1)[0]
+        action = options.get(name)
+        if action is None:  # an abbreviation: argparse took it, so it names one option
+            matches = {a for s, a in options.items() if s.startswith(name)}
+            action = matches.pop() if len(matches) == 1 else None
+        if action is not None:
+            given.add(action.dest)
+    return given
 
 
 def _log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-def _run(args: argparse.Namespace, argv: list[str]) -> int:
-    threads = cpu_threads.apply_thread_policy(args.threads)  # before the load: it counts too
+def _run(args: argparse.Namespace, config: EngineConfig, argv: list[str]) -> int:
+    if args.plot:
+        from pagedllm.bench import plot
+
+        plot.require_matplotlib()  # before the load: a missing package costs no run
+    threads = cpu_threads.apply_thread_policy(config.threads)  # before the load: it counts too
     import torch
 
-    from pagedllm.bench import machine, ours, workloads
+    from pagedllm.bench import machine, ours
 
     # 1. Our model and the workload (ids folded into small vocabularies).
-    spec = ours.ModelSpec(args.model, args.preset, args.load_format)
+    spec = ours.ModelSpec(config.model, args.preset, args.load_format)
     t0 = time.perf_counter()
-    model = ours.load_model(spec, args.device, args.dtype)
+    model = ours.load_model(spec, config.device, config.dtype)
     _log(f"loaded {spec.describe()} in {time.perf_counter() - t0:.1f} s on {model.device}")
     vocab = model.config.vocab_size
     work, warmup = _workload(args, vocab), workloads.warmup_workload(vocab)
@@ -175,19 +322,17 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         "command": "pagedllm bench " + " ".join(shlex.quote(a) for a in argv),
         "options": {k: v for k, v in vars(args).items() if v is not None},
     }
+    # The model is loaded: the engine gets it, not its path, device or dtype.
+    settings = engine_kwargs(config, without=("model", "device", "dtype"))
+    if args.workload == "prefix":
+        return _run_prefix(args, model, settings, work, warmup, context)
+    if args.workload == "pages":
+        return _run_pages(args, model, settings, work, warmup, context)
     if args.workload == "latency":
         _roofline(context, model, work)
 
     # 2. Ours.
-    engine_kwargs = dict(
-        kv_cache_mib=args.kv_cache_mib,
-        block_size=args.block_size,
-        batching=args.batching,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
-    llm = ours.build_llm(model, engine_kwargs, _log)
+    llm = ours.build_llm(model, settings, _log)
     kv_tokens = llm.engine.kv_spec.num_tokens
     _log(f"pagedllm: running {args.workload} ({work.description})")
     mine = _measure(ours, args, llm, work, warmup)
@@ -232,13 +377,142 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def _workload(args: argparse.Namespace, vocab: int):
-    from pagedllm.bench import workloads
+def _run_settings(model, settings: dict[str, Any], changes: dict[str, Any], work, warmup):
+    """One throughput run of `work` on a fresh LLM with `changes` to the settings."""
+    import torch
 
-    if args.workload == "throughput":
-        return workloads.draw_throughput(
-            args.num_requests, args.max_prompt_len, args.max_output_len, vocab
+    from pagedllm.bench import ours
+
+    what = ", ".join(f"{k}={v}" for k, v in changes.items())
+    llm = ours.build_llm(model, settings | changes, _log)
+    try:
+        result = ours.run_throughput(llm, work, warmup)
+    finally:
+        del llm  # frees its KV pages before the next one is allocated
+        _free_memory(torch)
+    n = result.notes
+    _log(
+        f"pagedllm {what}: {_headline('throughput', result)}, prefix cache hit rate "
+        f"{100 * n['prefix_cache_hit_rate']:.1f}%, {n['admission_waits']} admission waits, "
+        f"{n['preemptions']} preemptions, peak {n['pages_peak_used']} of {n['pages_total']} pages"
+    )
+    return result
+
+
+def _run_prefix(args, model, settings: dict[str, Any], work, warmup, context) -> int:
+    """The shared-prefix workload with prefix caching on, then off; nothing else changes."""
+    from pagedllm.bench import report
+
+    _log(f"pagedllm: running prefix ({work.description})")
+    runs = [
+        (
+            {"prefix_caching": on},
+            _run_settings(model, settings, {"prefix_caching": on}, work, warmup),
         )
+        for on in (True, False)
+    ]
+    on, off = runs[0][1], runs[1][1]
+    share = workloads.reusable_prompt_share(work, args.prefix_len, settings["block_size"])
+    context["reusable_share"] = share
+    ratio = None if not off.tokens_per_s else on.tokens_per_s / off.tokens_per_s
+    headline = {
+        "prefix_cache_hit_rate": on.notes["prefix_cache_hit_rate"],
+        "prefix_cache_reusable_share": round(share, 4),
+        "ratio": None if ratio is None else round(ratio, 3),
+        "ratio_of": "tokens_per_s prefix caching on/off",
+    }
+    record = report.build_runs_record("prefix", runs, context, headline)
+    report.emit(record, report.format_prefix_table(on, off, context), args.json)
+    return 0
+
+
+def _run_pages(args, model, settings: dict[str, Any], work, warmup, context) -> int:
+    """Every page size under both admission policies, in the same bytes of page pool."""
+    from pagedllm.bench import report
+
+    mib = settings["kv_cache_mib"]
+    _check_pool_fits(model, mib, args.page_sizes, work)
+    context["kv_cache_mib"] = mib
+    context["workload_description"] += f", page pool {mib:g} MiB"
+    _log(f"pagedllm: running pages ({work.description}) in {mib:g} MiB of pages")
+    runs = []
+    for block_size in args.page_sizes:
+        for admission in ADMISSION_POLICIES:
+            setting = {"block_size": block_size, "admission": admission}
+            runs.append((setting, _run_settings(model, settings, setting, work, warmup)))
+    best_setting, best = max(runs, key=lambda sr: sr[1].tokens_per_s or 0.0)
+    headline: dict[str, Any] = {
+        "kv_cache_mib": mib,
+        "page_sizes": list(args.page_sizes),
+        "fastest": {**best_setting, "tokens_per_s": round(best.tokens_per_s, 4)},
+        "plot": None,
+    }
+    if args.plot:
+        _plot_pages(args, model, settings, work, warmup, context)
+        headline |= {"plot": args.plot, "plot_page_size": args.plot_page_size}
+        context["plot"] = args.plot
+    record = report.build_runs_record("pages", runs, context, headline)
+    report.emit(record, report.format_pages_table(runs, context), args.json)
+    return 0
+
+
+def _check_pool_fits(model, mib: float, page_sizes: tuple[int, ...], work) -> None:
+    """The reserve policy rejects a request whose pages exceed the pool: say so before running."""
+    import math
+
+    import torch
+
+    per_token = model.config.kv_bytes_per_token(torch.finfo(model.dtype).bits // 8)
+    longest = max(len(p) + m for p, m in zip(work.prompts, work.max_tokens))
+    for bs in page_sizes:
+        pages = int(mib * 2**20) // (per_token * bs)
+        need = math.ceil((longest - 1) / bs)
+        if pages < need:
+            raise ValueError(
+                f"--kv-cache-mib {mib:g} holds {pages} pages of {bs} tokens, but the longest "
+                f"request ({longest} tokens) needs {need}: raise --kv-cache-mib, or shorten "
+                "the requests (--max-prompt-len, --max-output-len)"
+            )
+
+
+def _plot_pages(args, model, settings: dict[str, Any], work, warmup, context) -> None:
+    """Untimed runs at --plot-page-size that record the pages in use after every step."""
+    import torch
+
+    from pagedllm.bench import ours, plot
+
+    traces: dict[str, list[int]] = {}
+    for admission in ADMISSION_POLICIES:
+        changes = {"block_size": args.plot_page_size, "admission": admission}
+        llm = ours.build_llm(model, settings | changes, _log)
+        try:
+            traces[admission] = ours.trace_pages(llm, work, warmup)
+            stats = llm.stats()
+        finally:
+            del llm
+            _free_memory(torch)
+    plot.plot_pages_in_use(
+        args.plot,
+        traces,
+        block_size=args.plot_page_size,
+        pages_total=stats["pages_total"],
+        page_mib=stats["pages_total_mib"] / stats["pages_total"],
+        title=f"pagedllm bench pages: {context['model']} on {context['device']}, "
+        f"{context['workload_description']}",
+    )
+    _log(f"wrote {args.plot}")
+
+
+def _workload(args: argparse.Namespace, vocab: int) -> workloads.Workload:
+    n = args.num_requests or NUM_REQUESTS.get(args.workload)
+    if args.workload == "throughput":
+        return workloads.draw_throughput(n, args.max_prompt_len, args.max_output_len, vocab)
+    if args.workload == "pages":
+        prompt_len = args.max_prompt_len or PAGES_MAX_LEN
+        return workloads.draw_throughput(n, prompt_len, args.max_output_len or PAGES_MAX_LEN, vocab)
+    if args.workload == "prefix":
+        output_len = args.output_len or workloads.PREFIX_OUTPUT_LEN
+        return workloads.prefix_workload(n, args.prefix_len, args.suffix_len, output_len, vocab)
     prompt_len, output_len, _ = DEFAULTS[args.workload]
     prompt_len = args.prompt_len or prompt_len
     if args.workload == "latency":

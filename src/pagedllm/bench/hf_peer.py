@@ -90,27 +90,25 @@ def build_hf_model(model: LlamaModel):
     # Split the fused projections back (rows: q, k, v and gate, up).
     sizes = [c.q_size, c.kv_size, c.kv_size]
     for ours, theirs in zip(model.layers, hf.model.layers):
-        q, k, v = model.as_out_in(ours.qkv_proj).split(sizes, dim=0)
-        gate, up = model.as_out_in(ours.gate_up_proj).split([c.intermediate_size] * 2, dim=0)
+        q, k, v = ours.qkv_proj.weight.split(sizes, dim=0)
+        gate, up = ours.gate_up_proj.weight.split([c.intermediate_size] * 2, dim=0)
         pairs = [
             (theirs.input_layernorm.weight, ours.input_norm),
             (theirs.self_attn.q_proj.weight, q),
             (theirs.self_attn.k_proj.weight, k),
             (theirs.self_attn.v_proj.weight, v),
-            (theirs.self_attn.o_proj.weight, model.as_out_in(ours.o_proj)),
+            (theirs.self_attn.o_proj.weight, ours.o_proj.weight),
             (theirs.post_attention_layernorm.weight, ours.post_norm),
             (theirs.mlp.gate_proj.weight, gate),
             (theirs.mlp.up_proj.weight, up),
-            (theirs.mlp.down_proj.weight, model.as_out_in(ours.down_proj)),
+            (theirs.mlp.down_proj.weight, ours.down_proj.weight),
         ]
         for dst, src in pairs:
             dst.copy_(src)
     hf.model.embed_tokens.weight.copy_(model.embed_tokens)
     hf.model.norm.weight.copy_(model.norm)
     if hf.lm_head.weight.data_ptr() != hf.model.embed_tokens.weight.data_ptr():
-        hf.lm_head.weight.copy_(
-            model.as_out_in(model.lm_head)
-        )  # untied (ours is the embedding when tied)
+        hf.lm_head.weight.copy_(model.lm_head.weight)  # untied (tied: the embedding table)
     hf.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=0, do_sample=False)
     return hf
 

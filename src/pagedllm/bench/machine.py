@@ -112,15 +112,15 @@ def weight_bytes_per_decode_step(model: LlamaModel) -> int:
     embedding row (the embedding table is read in full only as a tied LM head)."""
     seen: set[int] = set()
     total = 0
-    tensors = [model.norm, model.lm_head]
+    tensors = [model.norm, model.lm_head.weight]
     for layer in model.layers:
         tensors += [
             layer.input_norm,
-            layer.qkv_proj,
-            layer.o_proj,
+            layer.qkv_proj.weight,
+            layer.o_proj.weight,
             layer.post_norm,
-            layer.gate_up_proj,
-            layer.down_proj,
+            layer.gate_up_proj.weight,
+            layer.down_proj.weight,
         ]
     for t in tensors:
         if t.data_ptr() not in seen:  # a tied LM head is the embedding table: count it once

@@ -1,4 +1,4 @@
-"""Run the three workloads on pagedllm through its public API (`LLM.generate`).
+"""Run the workloads on pagedllm through its public API (`LLM.generate`).
 
 Owns: building the `LLM` the benchmark asks for (a model path, or a config
 with random weights made on the device) and timing each workload the same
@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,12 +84,14 @@ def _sync(llm: LLM) -> None:
         torch.cuda.synchronize(llm.engine.model.device)
 
 
-def _generate(llm: LLM, w: Workload) -> tuple[list[Any], float]:
+def _generate(
+    llm: LLM, w: Workload, on_step: Callable[[Any], None] | None = None
+) -> tuple[list[Any], float]:
     """Run a workload once; return the outputs and the wall seconds of the whole call."""
     params = [_params(m) for m in w.max_tokens]
     _sync(llm)
     t0 = time.perf_counter()
-    outs = llm.generate(w.prompts, params, use_tqdm=False)
+    outs = llm.generate(w.prompts, params, use_tqdm=False, on_step=on_step)
     _sync(llm)
     wall = time.perf_counter() - t0
     for i, (o, m) in enumerate(zip(outs, w.max_tokens)):
@@ -124,24 +126,41 @@ def _result(**kw: Any) -> BenchResult:
     return BenchResult(engine=ENGINE, version=pagedllm.__version__, **kw)
 
 
+# Engine counters (llm.stats(), totals since the LLM was built) whose change over
+# the measured call is reported: the warm-up's share is left out.
+_COUNTERS = (
+    "admission_waits",
+    "preemptions",
+    "prefill_tokens",
+    "prefix_cache_hit_tokens",
+    "prefix_cache_query_tokens",
+)
+
+
 def run_throughput(llm: LLM, w: Workload, warmup: Workload) -> BenchResult:
-    """Workload 1: all requests at once; throughput = sum(max_tokens) / wall (prefill included)."""
+    """Workload 1: all requests at once; throughput = sum(max_tokens) / wall (prefill included).
+
+    Also how `prefix` and `pages` time each of their runs.
+    """
     _generate(llm, warmup)
     counter = _StepCounter(llm)
-    waits_before = llm.stats()["admission_waits"]
+    before = llm.stats()
     outs, wall = _generate(llm, w)
     steps, decode_steps = counter.steps()
     # Top level: the engine's totals since it was built (peaks include the warm-up,
     # which is smaller); "last_call": the measured call alone.
     stats = llm.stats()
+    delta = {k: stats[k] - before[k] for k in _COUNTERS}
     call = stats["last_call"]
     ttfts = [o.time_to_first_token for o in outs if o.time_to_first_token is not None]
     tpots = [o.time_per_output_token for o in outs if o.time_per_output_token is not None]
+    hit, query = delta["prefix_cache_hit_tokens"], delta["prefix_cache_query_tokens"]
     return _result(
         requests=w.num_requests,
         output_tokens=w.output_tokens,
         seconds=wall,
         tokens_per_s=w.output_tokens / wall,
+        total_tokens_per_s=(w.prompt_tokens + w.output_tokens) / wall,
         ttft_s=statistics.median(ttfts) if ttfts else None,
         tpot_s=statistics.median(tpots) if tpots else None,
         host_time_per_step_ms=counter.host_ms_per_step(),
@@ -151,15 +170,43 @@ def run_throughput(llm: LLM, w: Workload, warmup: Workload) -> BenchResult:
             "decode_steps": decode_steps,
             "peak_active_requests": stats.get("peak_active_requests"),
             "max_decode_batch": stats.get("max_decode_batch"),
-            "admission_waits": stats["admission_waits"] - waits_before,
+            **delta,  # admission waits, preemptions, prefill and prefix-cache tokens
+            "prefix_cache_hit_rate": round(hit / query, 4) if query else 0.0,
             "rejected": call["rejected"],
             "engine_wall_time_s": call["wall_time_s"],
             "pages_total": stats.get("pages_total"),
             "pages_peak_used": stats.get("pages_peak_used"),
+            "pages_total_mib": stats.get("pages_total_mib"),
+            "pages_peak_used_mib": stats.get("pages_peak_used_mib"),
             "block_size": stats.get("block_size"),
             "ttft_is": "median over requests, from submission",
         },
     )
+
+
+def trace_pages(llm: LLM, w: Workload, warmup: Workload) -> list[int]:
+    """Pages in use after each step of one run of `w` (for `bench pages --plot`).
+
+    Not a timed run: `on_step` turns on streaming (text decoded every step).
+    Scheduling does not depend on timing, so the steps are those of a timed run.
+    """
+    _generate(llm, warmup)
+    used: list[int] = []
+
+    def on_step(_outputs: Any) -> None:
+        used.append(llm.engine.block_manager.num_used_blocks)
+
+    _generate(llm, w, on_step)
+    return used
+
+
+def _uncached(llm: LLM, w: Workload, run: int) -> Workload:
+    """`w` with its first id moved by run + 1: the same work, but none of it is in the
+    prefix cache from an earlier run (a page's hash chains over every id before it),
+    so each repeated run prefills its whole prompt, as the first did."""
+    prompt = w.prompts[0]
+    first = (prompt[0] + run + 1) % llm.engine.model.config.vocab_size
+    return replace(w, prompts=[[first, *prompt[1:]]])
 
 
 def run_latency(llm: LLM, w: Workload, warmup: Workload, runs: int) -> BenchResult:
@@ -167,8 +214,8 @@ def run_latency(llm: LLM, w: Workload, warmup: Workload, runs: int) -> BenchResu
     _generate(llm, warmup)
     counter = _StepCounter(llm)
     samples = []
-    for _ in range(runs):
-        (out,), wall = _generate(llm, w)
+    for run in range(runs):
+        (out,), wall = _generate(llm, _uncached(llm, w, run))
         samples.append((out.time_per_output_token, out.time_to_first_token, wall))
     tpot, ttft, wall = sorted(samples)[len(samples) // 2]  # the median run by TPOT
     n = w.max_tokens[0]
@@ -181,7 +228,11 @@ def run_latency(llm: LLM, w: Workload, warmup: Workload, runs: int) -> BenchResu
         ttft_s=ttft,
         tpot_s=tpot,
         host_time_per_step_ms=counter.host_ms_per_step(),
-        notes={"runs": runs, "tpot_runs_ms": [round(1e3 * s[0], 4) for s in samples]},
+        notes={
+            "runs": runs,
+            "tpot_runs_ms": [round(1e3 * s[0], 4) for s in samples],
+            "prompt_is": "the same ids with a new first id each run: never in the prefix cache",
+        },
     )
 
 
@@ -191,8 +242,8 @@ def run_ttft(llm: LLM, w: Workload, warmup: Workload, runs: int) -> BenchResult:
     _generate(llm, w)  # a first long prefill allocates its activations: not timed
     ttfts, walls = [], []
     counter = _StepCounter(llm)
-    for _ in range(runs):
-        (out,), wall = _generate(llm, w)
+    for run in range(runs):
+        (out,), wall = _generate(llm, _uncached(llm, w, run))
         ttfts.append(out.time_to_first_token)
         walls.append(wall)
     ttft = statistics.median(ttfts)
@@ -208,5 +259,6 @@ def run_ttft(llm: LLM, w: Workload, warmup: Workload, runs: int) -> BenchResult:
             "runs": runs,
             "prefill_tokens_per_s": round(len(w.prompts[0]) / ttft, 2),
             "ttft_is": "from add_request to the sampled token on the host",
+            "prompt_is": "the same ids with a new first id each run: never in the prefix cache",
         },
     )

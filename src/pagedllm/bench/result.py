@@ -18,6 +18,7 @@ class BenchResult:
     output_tokens: int
     seconds: float  # wall time of the measured work (median run for batch 1 / ttft)
     tokens_per_s: float | None  # throughput: output tokens / wall; latency: 1 / TPOT
+    total_tokens_per_s: float | None = None  # throughput: (prompt + output tokens) / wall
     tokens_per_s_incl_prefill: float | None = None  # batch 1: new tokens / wall of the request
     ttft_s: float | None = None  # time to first token (median for ttft)
     tpot_s: float | None = None  # time per output token after the first
@@ -32,7 +33,13 @@ class BenchResult:
             v = d.pop(key)
             d[key.replace("_s", "_ms")] = None if v is None else round(1e3 * v, 4)
         d["ttft_runs_ms"] = [round(1e3 * v, 4) for v in d.pop("ttft_runs_s")]
-        for key in ("seconds", "tokens_per_s", "tokens_per_s_incl_prefill", "achieved_gbps"):
+        for key in (
+            "seconds",
+            "tokens_per_s",
+            "total_tokens_per_s",
+            "tokens_per_s_incl_prefill",
+            "achieved_gbps",
+        ):
             if d[key] is not None:
                 d[key] = round(d[key], 4)
         return d

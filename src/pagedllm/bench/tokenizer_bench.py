@@ -156,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.model is not None:
         targets.append((Path(args.model).name, Path(args.model)))
     else:
-        from pagedllm.model.resolve import default_model_path
+        from pagedllm.resolve import default_model_path
 
         llama3 = llama3_tokenizer_json()
         if llama3 is not None:

@@ -1,4 +1,5 @@
-"""The three standard workloads of `docs/gpu.md`, drawn exactly as written there.
+"""The three standard workloads of `docs/gpu.md`, drawn exactly as written there,
+and the shared-prefix workload of `pagedllm bench prefix`.
 
 Owns: the prompts (token-id lists) and per-request output lengths of each
 workload, and the check that the throughput draw is the published one. Does
@@ -117,6 +118,46 @@ def ttft_workload(prompt_len: int = 1024, vocab_size: int | None = None) -> Work
         [1],
         f"one request, prompt {prompt_len} tokens, max_tokens 1",
     )
+
+
+PREFIX_NUM_REQUESTS, PREFIX_LEN, PREFIX_SUFFIX_LEN, PREFIX_OUTPUT_LEN = 256, 1024, 100, 128
+
+
+def prefix_workload(
+    num_requests: int = PREFIX_NUM_REQUESTS,
+    prefix_len: int = PREFIX_LEN,
+    suffix_len: int = PREFIX_SUFFIX_LEN,
+    output_len: int = PREFIX_OUTPUT_LEN,
+    vocab_size: int | None = None,
+) -> Workload:
+    """`num_requests` prompts: one shared `prefix_len`-token prefix (a long system
+    prompt, a few-shot preamble), then each request's own `suffix_len` tokens.
+
+    Ids are drawn with random.Random(0): the prefix first, then the suffixes in
+    request order, so a smaller draw is a prefix of a larger one.
+    """
+    rng = random.Random(0)
+    shared = [rng.randint(0, PROMPT_ID_HIGH) for _ in range(prefix_len)]
+    prompts = [
+        fold_to_vocab(
+            shared + [rng.randint(0, PROMPT_ID_HIGH) for _ in range(suffix_len)], vocab_size
+        )
+        for _ in range(num_requests)
+    ]
+    return Workload(
+        "prefix",
+        prompts,
+        [output_len] * num_requests,
+        f"{num_requests} requests sharing a {prefix_len}-token prefix, each with its own "
+        f"{suffix_len}-token suffix, {output_len} new tokens",
+    )
+
+
+def reusable_prompt_share(w: Workload, prefix_len: int, block_size: int) -> float:
+    """The most a prefix cache can reuse: the shared prefix's full pages of every
+    request but the first, over all prompt tokens (a page is shared only when full)."""
+    reusable = (w.num_requests - 1) * (prefix_len // block_size) * block_size
+    return reusable / w.prompt_tokens if w.prompt_tokens else 0.0
 
 
 def warmup_workload(vocab_size: int | None = None) -> Workload:

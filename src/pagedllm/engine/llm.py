@@ -22,6 +22,7 @@ request of that call is aborted and its pages freed before the call returns.
 from __future__ import annotations
 
 import numbers
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,11 +31,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pagedllm.engine.llm_engine import EngineConfig, LLMEngine, StepOutput
-from pagedllm.model import LlamaModel
+from pagedllm.engine.llm_engine import LLMEngine, StepOutput
+from pagedllm.engine_config import EngineConfig
 from pagedllm.request import FinishReason, Request
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import RequestRejected
+from pagedllm.tokenizer import Tokenizer
 from pagedllm.utils import deferred_interrupts
 
 Prompt = str | list[int]
@@ -64,35 +66,21 @@ class RequestOutput:
 class LLM:
     def __init__(
         self,
-        model: str | LlamaModel | None = None,
-        device: str | None = None,
-        dtype: str | None = None,
-        kv_cache_mib: float | None = None,
-        block_size: int = 16,
-        batching: str = "continuous",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 16384,
-        threads: int | None = None,
+        model: Any = None,
+        *,
+        config: EngineConfig | None = None,
+        tokenizer: Tokenizer | None = None,
         log: Callable[[str], None] | None = None,
-        **engine_kwargs: Any,
+        **settings: Any,
     ) -> None:
-        if isinstance(model, LlamaModel):  # an already loaded model (tests, notebooks)
-            engine_kwargs["model"] = model
-            model = None
-        config = EngineConfig(
-            threads=threads,
-            model=model,
-            device=device,
-            dtype=dtype,
-            kv_cache_mib=kv_cache_mib,
-            block_size=block_size,
-            batching=batching,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-        )
-        self.engine = LLMEngine(config, log=log or (lambda s: None), **engine_kwargs)
+        """`model`: a path, None for the default model, or an already loaded
+        LlamaModel. `settings`: any EngineConfig field (kv_cache_mib=...,
+        admission="optimistic", prefix_caching=False, ...), over `config`."""
+        loaded = None
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            loaded, model = model, None  # an already loaded model (tests, notebooks)
+        config = (config or EngineConfig()).replace(model=model, **settings)
+        self.engine = LLMEngine(config, loaded, tokenizer, log=log or (lambda s: None))
         self.tokenizer = self.engine.tokenizer
         self._last_run: dict[str, Any] = {}
         self._lock = threading.Lock()  # one generate/chat call at a time
@@ -258,7 +246,7 @@ class LLM:
         for text, ids, sp in zip(texts, token_lists, params):
             out = RequestOutput(None, text, ids if isinstance(ids, list) else [])
             try:
-                req = self.engine.add_request(ids, sp, stream=stream)
+                req = self.engine.add_request(ids, sp, incremental_text=stream)
             except RequestRejected as e:
                 if len(token_lists) == 1:
                     raise

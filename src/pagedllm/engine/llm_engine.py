@@ -1,13 +1,20 @@
 """LLMEngine: the step loop that carries requests from prompt to finished text.
 
-Owns: wiring the layers together and the order of one step
-(docs/architecture.md, "A request's life"):
-schedule -> build the batch -> forward -> sample -> scheduler.update ->
-detokenize and check stop strings. Does not own: any of those steps' logic,
-each of which lives in its own layer.
+Owns: wiring the layers together and the order of one step, a chain of plain
+values each made by one owner (docs/architecture.md, "A request's life"):
 
-Invariant: after every step, every page is either free or reserved by exactly
-one running request; when nothing is unfinished, every page is free.
+    plan    = scheduler.schedule()                  # SchedulerOutput: lists, no tensors
+    result  = runner.execute(plan)                  # RunnerOutput: sampled ids as host lists
+    updates = scheduler.update(plan, result.sampled_token_ids)   # tokens, finishes
+    outputs = engine.process(updates, result)       # text, stop strings, streaming
+
+The engine imports no torch: tensors live in `runner/` (imported only when an
+engine is built). Does not own: any step's logic, each of which lives in its
+own layer; it does own the per-request text state (detokenizer, stop strings,
+log-probs) and each streaming request's outbox.
+
+Invariant: after every step, every page is free, cached (free with a known
+hash) or held by running requests; when nothing is unfinished, no page is held.
 
 All or nothing: every change that spans layers (the scheduler's queues, the
 block manager's tables, `self.states`) happens inside `deferred_interrupts()`,
@@ -21,93 +28,32 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import operator
-import os
 import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from pagedllm.cpu_threads import apply_thread_policy
+from pagedllm.engine.stop_strings import StopStringMatcher
+from pagedllm.engine_config import EngineConfig
 from pagedllm.kv import BlockManager
-from pagedllm.model import LlamaModel, load_model
-from pagedllm.model.loader import resolve_device, resolve_dtype
-from pagedllm.model.resolve import resolve_model_path
 from pagedllm.request import FinishReason, Request, RequestStatus
-from pagedllm.runner.model_runner import ModelRunner, plan_kv_cache
-from pagedllm.sampling import (
-    Sampler,
-    SamplingMetadata,
-    StopStringMatcher,
-    compute_logprobs,
-    make_generator,
-)
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from pagedllm.scheduler import RequestRejected, RequestUpdate, Scheduler, SchedulerConfig
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
 from pagedllm.utils import deferred_interrupts, plural
 
-BATCHING_POLICIES = ("continuous", "static")
+if TYPE_CHECKING:
+    from pagedllm.model import LlamaModel
+    from pagedllm.runner.model_runner import RunnerOutput
+
 # Without --max-model-len, a model is served up to this many positions (Llama
 # 3.1's own limit): a config that claims millions would otherwise cost a RoPE
 # table of gigabytes and block tables as wide, for contexts nobody sends.
 DEFAULT_MAX_MODEL_LEN_CAP = 131072
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str | None = None
-    device: str | None = None
-    dtype: str | None = None
-    kv_cache_mib: float | None = None
-    block_size: int = 16
-    batching: str = "continuous"
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 16384
-    threads: int | None = None  # torch CPU threads; None = cpu_threads.py's policy
-
-    def __post_init__(self) -> None:
-        """Check every value before anything is loaded (a load can take many seconds)."""
-        if self.batching not in BATCHING_POLICIES:
-            raise ValueError(
-                f"batching={self.batching!r} is not a policy; choose one of {BATCHING_POLICIES}"
-            )
-        _check_int("block_size", self.block_size, 1)
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        _check_int("max_num_seqs", self.max_num_seqs, 1)
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        if self.max_model_len is not None:
-            _check_int("max_model_len", self.max_model_len, 2)
-        if self.threads is not None:
-            _check_int("threads", self.threads, 1)
-        mib = self.kv_cache_mib
-        if mib is not None and (
-            isinstance(mib, bool)
-            or not isinstance(mib, (int, float))
-            or not math.isfinite(mib)
-            or mib <= 0
-        ):
-            raise ValueError(
-                f"kv_cache_mib must be a positive, finite number of MiB (or None for the "
-                f"default), got {mib!r}"
-            )
-        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
-            raise ValueError(f"model must be a path (or None for the default), got {self.model!r}")
-        for name in ("device", "dtype"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, (str, torch.device, torch.dtype)):
-                raise ValueError(f"{name} must be a string (or None), got {value!r}")
-
-
-def _check_int(name: str, value: Any, lo: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+Logprobs = dict[int, float]
 
 
 @dataclass
@@ -119,10 +65,11 @@ class RequestState:
     # (streaming or stop strings); otherwise the text is decoded once at the end.
     detokenizer: IncrementalDetokenizer | None
     stop_matcher: StopStringMatcher | None
-    generator: torch.Generator | None = None
     text: str = ""  # text returned so far (stop strings removed)
-    logprobs: list[dict[int, float]] | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    logprobs: list[Logprobs] | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
+    # Outputs waiting for `LLMEngine.stream` (streaming requests only).
+    outbox: deque[StepOutput] | None = None
 
 
 @dataclass
@@ -134,6 +81,14 @@ class StepOutput:
     new_text: str = ""
     finished: bool = False
     state: RequestState | None = None
+
+    @property
+    def request_id(self) -> int:
+        return self.request.request_id
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.request.finish_reason if self.finished else None
 
 
 class EngineStalledError(RuntimeError):
@@ -148,18 +103,16 @@ class LLMEngine:
         tokenizer: Tokenizer | None = None,
         log=print,
     ) -> None:
+        # The layers with tensors, imported here: the engine's own modules need no torch.
+        from pagedllm.cpu_threads import apply_thread_policy
+        from pagedllm.runner.model_runner import ModelRunner, load_or_check_model, plan_kv_cache
+
         self.config = config
         self.num_threads = apply_thread_policy(config.threads)
         t0 = time.perf_counter()
-        if model is None:
-            model = load_model(
-                resolve_model_path(config.model),
-                config.device,
-                config.dtype,
-                max_model_len=config.max_model_len or DEFAULT_MAX_MODEL_LEN_CAP,
-            )
-        else:
-            _check_model_matches(model, config)
+        model = load_or_check_model(
+            config, model, config.max_model_len or DEFAULT_MAX_MODEL_LEN_CAP
+        )
         if tokenizer is None and model.source_path is not None:
             tokenizer = _load_tokenizer(model.source_path, log)
         self.model = model
@@ -191,11 +144,17 @@ class LLMEngine:
             f"KV cache: {plural(kv_spec.num_blocks, 'page')} of {kv_spec.block_size} tokens "
             f"= {plural(kv_spec.num_tokens, 'token')}, {kv_spec.mib:.1f} MiB; sized by {why}"
         )
-        if model.device.type == "cuda":
-            # Triton launches and graph capture use the current device.
-            torch.cuda.set_device(model.device)
-        self.runner = ModelRunner(model, kv_spec, max_model_len, config.max_num_seqs)
-        self.block_manager = BlockManager(kv_spec.num_blocks, kv_spec.block_size)
+        self.runner = ModelRunner(
+            model,
+            kv_spec,
+            max_model_len,
+            config.max_num_seqs,
+            use_cuda_graphs=config.cuda_graphs_wanted(),
+            ops_mode=config.ops_mode(),
+        )
+        self.block_manager = BlockManager(
+            kv_spec.num_blocks, kv_spec.block_size, enable_caching=config.prefix_caching
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -203,13 +162,15 @@ class LLMEngine:
                 max_model_len=max_model_len,
                 model_max_len=mc.max_position_embeddings,
                 batching=config.batching,
+                admission=config.admission,
+                chunked_prefill=config.chunked_prefill,
             ),
             self.block_manager,
         )
-        self.sampler = Sampler()
         self.eos_token_ids = frozenset(mc.eos_token_ids) | frozenset(
             tokenizer.eos_token_ids if tokenizer is not None else ()
         )
+        self.vocab_size = mc.vocab_size
         self.generation_defaults = dict(mc.generation_defaults)
         self.states: dict[int, RequestState] = {}
         self._ids = itertools.count()
@@ -223,16 +184,24 @@ class LLMEngine:
 
     # ------------------------------------------------------------------
     def add_request(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams, stream: bool = False
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        stream: bool = False,
+        incremental_text: bool = False,
     ) -> Request:
         """Queue a request; raises RequestRejected (a ValueError) if it can never run.
+
+        `stream`: its outputs also wait in an outbox for `stream(request)`.
+        `incremental_text` (implied by `stream`): each output carries the text
+        of its new tokens; otherwise the text is decoded once, at the end.
 
         All or nothing: a rejected request is never queued and leaves no state
         behind, so it costs the others nothing. `params` is validated again
         here (a SamplingParams may have been changed after it was built)."""
         with self._lock:
             rid = next(self._ids)
-            ids = _check_prompt_ids(prompt_token_ids, rid, self.model.config.vocab_size)
+            ids = _check_prompt_ids(prompt_token_ids, rid, self.vocab_size)
             params = _check_params(params, rid).resolved(self.generation_defaults)
             req = Request(
                 request_id=rid,
@@ -246,7 +215,7 @@ class LLMEngine:
                     f"request {rid}: stop strings need a tokenizer, and this model has none; "
                     f"use stop_token_ids",
                 )
-            state = self._new_state(req, stream)
+            state = self._new_state(req, stream, incremental_text or stream)
             with deferred_interrupts():
                 self.states[rid] = state
                 try:
@@ -257,18 +226,19 @@ class LLMEngine:
                 self.num_requests += 1
             return req
 
-    def _new_state(self, req: Request, stream: bool) -> RequestState:
+    def _new_state(self, req: Request, stream: bool, incremental: bool) -> RequestState:
         params = req.sampling_params
         matcher = StopStringMatcher.from_params(params) if params.stop else None
         detok = None
-        if self.tokenizer is not None and (stream or matcher is not None):
+        if self.tokenizer is not None and (incremental or matcher is not None):
             detok = self._detokenizer(req)
         return RequestState(
             req,
             detok,
             matcher,
-            generator=make_generator(params.seed, self.model.device),
             logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None,
+            outbox=deque() if stream else None,
         )
 
     def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
@@ -282,13 +252,20 @@ class LLMEngine:
             skip_special_tokens=req.sampling_params.skip_special_tokens,
         )
 
-    def abort(self, req: Request, report: bool = True) -> None:
-        """Finish `req` now (finish_reason "abort"), keeping the tokens it made.
+    def abort(self, req: Request | int, report: bool = True) -> None:
+        """Finish a request now (finish_reason "abort"), keeping the tokens it made;
+        its pages go back to the pool (or stay in the prefix cache).
 
-        Safe to call for any request, at any time, more than once. With
-        `report`, the next `step()` returns its final StepOutput (all its text).
+        `req` is a Request or its id. Safe to call for any request, at any
+        time between steps, more than once. With `report`, the next `step()`
+        returns its final StepOutput (all its text), as does `stream()`.
         """
         with self._lock, deferred_interrupts():
+            if not isinstance(req, Request):
+                state = self.states.get(req)
+                if state is None:
+                    return  # unknown, or already finished and reported
+                req = state.request
             if not req.is_finished:
                 if self.scheduler.owns(req):
                     self.scheduler.finish_request(req, FinishReason.ABORT)
@@ -298,7 +275,10 @@ class LLMEngine:
             if state is None or state.request is not req:
                 return
             if report:
-                self._pending.append(self._postprocess_safely(req, state, []))
+                out = self._postprocess_safely(req, state, [])
+                self._pending.append(out)
+                if state.outbox is not None:
+                    state.outbox.append(out)
             self.states.pop(req.request_id, None)
 
     def has_unfinished(self) -> bool:
@@ -315,49 +295,77 @@ class LLMEngine:
                 return results
             # 1. Decide what runs.
             with deferred_interrupts():
-                out = self.scheduler.schedule()
-            if not out.scheduled:
+                plan = self.scheduler.schedule()
+            if not plan.scheduled:
                 self._raise_stalled()
-            reqs, num_new = list(out.scheduled), list(out.num_new_tokens)
-            states = [self.states[r.request_id] for r in reqs]
-            # 2-4. Lists -> tensors -> logits -> sampled ids (one device-to-host copy).
-            # Interruptible: nothing below changes bookkeeping until step 5.
-            sampled, sampler_out = self._forward_and_sample(reqs, num_new, states)
+            # 2. Lists -> tensors -> logits -> sampled ids (one device-to-host copy).
+            # Interruptible: nothing below changes bookkeeping until step 3; a
+            # failed step is undone (its tokens are planned again).
+            try:
+                result = self.runner.execute(plan)
+            except BaseException:
+                with deferred_interrupts():
+                    self.scheduler.undo_step(plan)
+                raise
             with deferred_interrupts():
                 self.num_steps += 1
-                self.num_decode_steps += int(not out.is_prefill)
-                # 5. Bookkeeping: advance computed tokens, append samples, token-level stops.
-                before = [r.num_output_tokens for r in reqs]
-                self.scheduler.update(out, sampled)
-                if sampler_out.logprobs is not None:
-                    self._record_logprobs(sampler_out.logprobs, reqs, states, before)
-                # 6. Detokenize, check stop strings, report.
+                self.num_decode_steps += int(not plan.is_prefill)
+                # 3. Bookkeeping: advance computed tokens, append samples, token-level stops.
+                self._record_prompt_logprobs(result)
+                updates = self.scheduler.update(plan, result.sampled_token_ids)
+                # 4. Detokenize, check stop strings, report.
                 results, self._pending = self._pending, []
-                for req, state, n_before in zip(reqs, states, before):
-                    new_ids = req.output_token_ids[n_before:]
-                    self.num_output_tokens += len(new_ids)
-                    if new_ids or req.is_finished:
-                        results.append(self._postprocess_safely(req, state, new_ids))
+                results += self.process(updates, plan.scheduled, result)
             return results
 
-    def _forward_and_sample(
-        self, reqs: list[Request], num_new: list[int], states: list[RequestState]
-    ) -> tuple[list[int], Any]:
-        # Logits of each request's last new token (and of every prompt token,
-        # for requests that asked for prompt log-probs).
-        full = frozenset(
-            i
-            for i, r in enumerate(reqs)
-            if r.sampling_params.prompt_logprobs is not None and r.num_computed_tokens == 0
-        )
-        logits = self.runner.execute(reqs, num_new, full)  # (B or more, V) float32
-        if full:
-            logits = self._record_prompt_logprobs(logits, reqs, num_new, full)
-        meta = SamplingMetadata.from_requests(
-            reqs, self.model.config.vocab_size, self.model.device, [s.generator for s in states]
-        )
-        sampler_out = self.sampler(logits, meta)
-        return sampler_out.sampled_token_ids.tolist(), sampler_out
+    def process(
+        self, updates: list[RequestUpdate], scheduled: Sequence[Request], result: RunnerOutput
+    ) -> list[StepOutput]:
+        """Turn the scheduler's updates into outputs: log-probs, text, stop strings."""
+        logprobs: dict[int, Logprobs | None] | None = None  # built when someone asked
+        outputs = []
+        for update in updates:
+            req = update.request
+            state = self.states.get(req.request_id)
+            if state is None:
+                continue
+            if state.logprobs is not None:
+                if logprobs is None:
+                    logprobs = {r.request_id: lp for r, lp in zip(scheduled, result.logprobs)}
+                if logprobs.get(req.request_id) is not None:
+                    state.logprobs.append(logprobs[req.request_id])
+            self.num_output_tokens += len(update.new_token_ids)
+            out = self._postprocess_safely(req, state, update.new_token_ids)
+            if state.outbox is not None:
+                state.outbox.append(out)
+            outputs.append(out)
+        return outputs
+
+    def stream(self, req: Request) -> Iterator[StepOutput]:
+        """The outputs of a request added with `stream=True`, as they come.
+
+        Steps the engine while the request's outbox is empty (other requests'
+        outputs go to their own outboxes or are returned by those steps).
+        Leaving the loop early (a closed client, an exception) aborts the request.
+        """
+        state = self.states.get(req.request_id)
+        if state is None or state.outbox is None:
+            raise ValueError(f"request {req.request_id} was not added with stream=True")
+        box = state.outbox
+        finished = False
+        try:
+            while not finished:
+                with self._lock:
+                    if not box:
+                        self.step()
+                    items = list(box)
+                    box.clear()
+                for out in items:
+                    finished = finished or out.finished
+                    yield out
+        finally:
+            if not finished:
+                self.abort(req, report=False)
 
     def _raise_stalled(self) -> None:
         """Nothing could be scheduled although requests are unfinished: say why."""
@@ -379,45 +387,15 @@ class LLMEngine:
             msg += f"; broken invariant: {e}"
         raise EngineStalledError(msg)
 
-    def _record_prompt_logprobs(
-        self, logits: torch.Tensor, reqs: list[Request], num_new: list[int], full: frozenset[int]
-    ) -> torch.Tensor:
-        """Store prompt log-probs (vLLM's format: None for the first token, then
-        {id: logprob} with the prompt's own token and the top k); return the
-        (B, V) logits of each request's last token."""
-        last_rows, row = [], 0
-        for i, (req, n) in enumerate(zip(reqs, num_new)):
-            if i not in full:
-                last_rows.append(row)
-                row += 1
+    def _record_prompt_logprobs(self, result: RunnerOutput) -> None:
+        """Append this step's prompt log-probs; a request recomputing its prompt
+        after a preemption has them all already."""
+        for request_id, entries in result.prompt_logprobs.items():
+            state = self.states.get(request_id)
+            if state is None or state.prompt_logprobs is None:
                 continue
-            k = req.sampling_params.prompt_logprobs
-            prompt = req.prompt_token_ids
-            entries: list[dict[int, float] | None] = [None]
-            if n > 1:
-                target = torch.tensor(prompt[1:n], device=logits.device)
-                lp = compute_logprobs(logits[row : row + n - 1], k, target)
-                ids, tok = lp.token_ids.tolist(), lp.token_logprobs.tolist()
-                top_ids, top_lp = lp.topk_ids.tolist(), lp.topk_logprobs.tolist()
-                for j in range(n - 1):
-                    entry = dict(zip(top_ids[j][:k], top_lp[j][:k]))
-                    entry[ids[j]] = tok[j]
-                    entries.append(entry)
-            self.states[req.request_id].prompt_logprobs = entries
-            row += n
-            last_rows.append(row - 1)
-        return logits[torch.tensor(last_rows, device=logits.device)]
-
-    def _record_logprobs(self, lp, reqs, states, before) -> None:
-        ids, token_lp = lp.token_ids.tolist(), lp.token_logprobs.tolist()
-        top_ids, top_lp = lp.topk_ids.tolist(), lp.topk_logprobs.tolist()
-        for i, (req, state) in enumerate(zip(reqs, states)):
-            if state.logprobs is None or req.num_output_tokens == before[i]:
-                continue
-            k = req.sampling_params.logprobs
-            entry = dict(zip(top_ids[i][:k], top_lp[i][:k]))
-            entry[ids[i]] = token_lp[i]
-            state.logprobs.append(entry)
+            room = state.request.num_prompt_tokens - len(state.prompt_logprobs)
+            state.prompt_logprobs.extend(entries[: max(0, room)])
 
     def _postprocess_safely(
         self, req: Request, state: RequestState, new_ids: list[int]
@@ -427,14 +405,14 @@ class LLMEngine:
             return self._postprocess(req, state, new_ids)
         except Exception as e:
             req.error = f"request {req.request_id}: {type(e).__name__}: {e}"
-            if not req.is_finished:
-                self.scheduler.finish_request(req, FinishReason.ERROR)
-            else:
-                req.finish_reason = FinishReason.ERROR
+            self._finish(req, FinishReason.ERROR)
             self.states.pop(req.request_id, None)
             return StepOutput(req, new_ids, "", True, state)
 
     def _postprocess(self, req: Request, state: RequestState, new_ids: list[int]) -> StepOutput:
+        finished = req.is_finished
+        if not finished and state.detokenizer is None:
+            return StepOutput(req, new_ids, "", False, state)  # no text read until the end
         tok = self.tokenizer
         # A token that finished the request by id (EOS, stop_token_ids) is not text.
         stopped_by_id = (
@@ -466,13 +444,16 @@ class LLMEngine:
             piece, check=req.num_output_tokens > req.sampling_params.min_tokens
         )
         if matched is not None:
-            if req.is_finished:  # finished by length in the same step: the string wins
-                req.finish_reason, req.stop_reason = FinishReason.STOP, matched
-            else:
-                self.scheduler.finish_request(req, FinishReason.STOP, matched)
+            self._finish(req, FinishReason.STOP, matched)  # over a length stop, too
         elif req.is_finished:
             emit += matcher.flush()
         return emit
+
+    def _finish(self, req: Request, reason: FinishReason, stop_reason: str | None = None) -> None:
+        if req.is_finished:
+            self.scheduler.restate_finish(req, reason, stop_reason)
+        else:
+            self.scheduler.finish_request(req, reason, stop_reason)
 
     # ------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -480,16 +461,24 @@ class LLMEngine:
         s = self.scheduler
         bm = self.block_manager
         per_block = self.kv_spec.bytes_per_token * self.kv_spec.block_size / 2**20
+        queried = s.num_cache_query_tokens
         return {
             "requests": self.num_requests,
             "output_tokens": self.num_output_tokens,
             "threads": self.num_threads,
             "peak_active_requests": s.peak_running,
             "max_decode_batch": s.max_decode_batch,
+            "admission": s.config.admission,
             "admission_waits": s.num_admission_waits,
+            "preemptions": s.num_preemptions,
+            "prefix_caching": bm.enable_caching,
+            "prefix_cache_query_tokens": queried,
+            "prefix_cache_hit_tokens": s.num_cache_hit_tokens,
+            "prefix_cache_hit_rate": round(s.num_cache_hit_tokens / queried, 4) if queried else 0.0,
             "pages_total": bm.num_blocks,
             "pages_peak_used": bm.peak_used_blocks,
             "pages_free": bm.num_free_blocks,
+            "pages_cached": bm.pool.num_cached,
             "pages_total_mib": round(bm.num_blocks * per_block, 2),
             "pages_peak_used_mib": round(bm.peak_used_blocks * per_block, 2),
             "pages_free_mib": round(bm.num_free_blocks * per_block, 2),
@@ -550,26 +539,6 @@ def _check_params(params: Any, rid: int) -> SamplingParams:
         return dataclasses.replace(params)  # runs __post_init__'s checks
     except ValueError as e:
         raise RequestRejected(f"request {rid}: {e}") from None
-
-
-def _check_model_matches(model: LlamaModel, config: EngineConfig) -> None:
-    """An already loaded model is used as it is: a device or dtype that says
-    otherwise is a mistake, not a request to convert."""
-    if config.device is not None:
-        want = resolve_device(config.device)
-        have = model.device
-        if want.type != have.type or (want.index is not None and want.index != have.index):
-            raise ValueError(
-                f"device={str(config.device)!r} but the model given is on {have}; "
-                f"load it on that device, or leave device unset"
-            )
-    if config.dtype is not None:
-        want_dtype = resolve_dtype(config.dtype, model.device)
-        if want_dtype != model.dtype:
-            raise ValueError(
-                f"dtype={str(config.dtype)!r} but the model given is {model.dtype}; "
-                f"load it in that dtype, or leave dtype unset"
-            )
 
 
 def _check_vocab_sizes(model_vocab: int, tokenizer_vocab: int, log) -> None:

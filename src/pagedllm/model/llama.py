@@ -3,7 +3,8 @@
 Owns: the order of the ops of a Llama decoder (embedding, RMSNorm, fused QKV,
 RoPE, GQA attention over the paged cache, SwiGLU, LM head) and the fused
 weights it runs on. Does not own: how the batch was built (`runner/`), which
-kernel computes each op (`ops/` decides from the tensors' device), or sampling.
+kernel computes each op (`ops/` decides from the device and `ops_mode`), how a
+matrix is laid out in memory (`Linear`, in `linear.py`), or sampling.
 
 Two entry points:
 - `forward(batch, kv_caches)` -> the final hidden states of the rows in
@@ -16,33 +17,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pagedllm import ops
 from pagedllm.config import ModelConfig
 from pagedllm.model.batch import ForwardBatch
-from pagedllm.model.cpu_blas import numpy_matmul_ok
+from pagedllm.model.linear import Linear
 from pagedllm.ops.reference import rope_cos_sin_cache
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: (NB, BS, Hkv, D) each
-NUMPY_MATMUL_MAX_ROWS = 32  # CPU projections of at most this many tokens go through numpy
 
 
 @dataclass
 class LayerWeights:
-    """One decoder layer's weights. Matrices are (out, in) as in HF files, except
-    on the CPU, where they are stored transposed (in, out): `x @ W` on that layout
-    streams memory about twice as fast there as `F.linear` (measured: a 113 MB
-    LM head, 10 ms vs 5.3 ms). `LlamaModel.as_out_in` undoes it."""
+    """One decoder layer's weights. The shapes are HF's (out, in); each `Linear`
+    stores its matrix in whichever layout its device multiplies fastest (see
+    `linear.py`), and `.weight` gives the (out, in) matrix back."""
 
     input_norm: torch.Tensor  # (E,)
-    qkv_proj: torch.Tensor  # (H*D + 2*Hkv*D, E): q, k and v stacked at load time
-    o_proj: torch.Tensor  # (E, H*D)
+    qkv_proj: Linear  # (H*D + 2*Hkv*D, E): q, k and v stacked at load time
+    o_proj: Linear  # (E, H*D)
     post_norm: torch.Tensor  # (E,)
-    gate_up_proj: torch.Tensor  # (2*I, E): gate and up stacked at load time
-    down_proj: torch.Tensor  # (E, I)
+    gate_up_proj: Linear  # (2*I, E): gate and up stacked at load time
+    down_proj: Linear  # (E, I)
 
 
 class LlamaModel:
@@ -52,16 +49,19 @@ class LlamaModel:
         embed_tokens: torch.Tensor,
         layers: list[LayerWeights],
         norm: torch.Tensor,
-        lm_head: torch.Tensor,
-        weights_transposed: bool = False,
+        lm_head: Linear,
         max_positions: int | None = None,
     ) -> None:
         self.config = config
-        self.weights_transposed = weights_transposed  # matrices stored (in, out)
         self.embed_tokens = embed_tokens  # (V, E)
         self.layers = layers
         self.norm = norm  # (E,)
-        self.lm_head = lm_head  # (V, E); the same tensor as embed_tokens when tied
+        # (V, E); when tied, on CUDA its memory is embed_tokens' own (on the CPU, a
+        # transposed copy: see linear.py).
+        self.lm_head = lm_head
+        # Which op implementation runs: "auto", "reference", "triton", or None to read
+        # $PAGEDLLM_OPS (see ops/__init__.py). Settable after construction.
+        self.ops_mode: str | None = None
         self.source_path = None  # the file or directory it was loaded from, if any
         self.device = embed_tokens.device
         self.dtype = embed_tokens.dtype
@@ -83,7 +83,7 @@ class LlamaModel:
     # ------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, kv_caches: list[KVCache] | None) -> torch.Tensor:
         """Hidden states (N, E) after the final norm, for the rows batch.logits_indices."""
-        impl = ops.implementation(self.device)
+        impl = ops.implementation(self.device, self.ops_mode)
         cfg = self.config
         num_tokens = batch.num_tokens
         q_size, kv_size = cfg.q_size, cfg.kv_size
@@ -100,20 +100,20 @@ class LlamaModel:
                     hidden, residual, layer.input_norm, cfg.rms_norm_eps
                 )
             # 2. One matmul for Q, K and V, then views into it.
-            qkv = self.linear(x, layer.qkv_proj)  # (T, (H + 2Hkv) D)
+            qkv = layer.qkv_proj(x)  # (T, (H + 2Hkv) D)
             q = qkv[:, :q_size].view(num_tokens, -1, cfg.head_dim)  # (T, H, D)
             k = qkv[:, q_size : q_size + kv_size].view(num_tokens, -1, cfg.head_dim)  # (T, Hkv, D)
             v = qkv[:, q_size + kv_size :].view(num_tokens, -1, cfg.head_dim)  # (T, Hkv, D)
             q, k = impl.apply_rope(q, k, batch.positions, self.cos_sin_cache)
             # 3. Attention: write the new K/V into their slots, then read through pages.
             attn = self._attention(impl, batch, q, k, v, kv_caches[i] if kv_caches else None)
-            hidden = self.linear(attn.view(num_tokens, q_size), layer.o_proj)  # (T, E)
+            hidden = layer.o_proj(attn.view(num_tokens, q_size))  # (T, E)
             # 4. MLP: norm (fused with the residual add), gate/up in one matmul, SwiGLU, down.
             x, residual = impl.fused_add_rms_norm(
                 hidden, residual, layer.post_norm, cfg.rms_norm_eps
             )
-            gate_up = self.linear(x, layer.gate_up_proj)  # (T, 2I)
-            hidden = self.linear(impl.silu_and_mul(gate_up), layer.down_proj)  # (T, E)
+            gate_up = layer.gate_up_proj(x)  # (T, 2I)
+            hidden = layer.down_proj(impl.silu_and_mul(gate_up))  # (T, E)
 
         # 5. Only the rows whose logits are wanted go through the final norm and LM head.
         idx = batch.logits_indices
@@ -158,24 +158,9 @@ class LlamaModel:
             max_q_len=batch.max_q_len,
         )
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x (T, in) times a weight matrix -> (T, out), whichever layout it is stored in."""
-        if not self.weights_transposed:
-            return F.linear(x, w)  # cuBLAS
-        if x.shape[0] <= NUMPY_MATMUL_MAX_ROWS and x.dtype == torch.float32 and numpy_matmul_ok():
-            # Few rows (decode): numpy's BLAS streams CPU weights faster than torch's
-            # (see cpu_blas.py); many rows (prefill) stay on torch's multi-threaded
-            # GEMM, since numpy's BLAS is pinned to one thread. Zero-copy views.
-            return torch.from_numpy(np.matmul(x.numpy(), w.numpy()))
-        return x @ w
-
-    def as_out_in(self, w: torch.Tensor) -> torch.Tensor:
-        """A weight matrix viewed in HF's (out, in) layout."""
-        return w.t() if self.weights_transposed else w
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, E) -> (N, V) float32."""
-        return self.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
     # ------------------------------------------------------------------
     @torch.inference_mode()

@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 
 from pagedllm.config import ModelConfig
+from pagedllm.model.linear import Linear
 from pagedllm.model.llama import LayerWeights, LlamaModel
-from pagedllm.model.resolve import is_gguf, resolve_model_path
+from pagedllm.resolve import is_gguf, resolve_model_path
 
 _DTYPES = {
     "float32": torch.float32,
@@ -140,11 +141,8 @@ def build_model(
     def put(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype).contiguous()
 
-    transposed = device.type == "cpu"  # see LayerWeights: (in, out) is faster there
-
-    def put_matrix(t: torch.Tensor) -> torch.Tensor:
-        t = t.to(device=device, dtype=dtype)
-        return (t.t() if transposed else t).contiguous()
+    def put_matrix(t: torch.Tensor) -> Linear:
+        return Linear(t.to(device=device, dtype=dtype))  # Linear picks the layout
 
     e, inter = c.hidden_size, c.intermediate_size
     layers = []
@@ -167,14 +165,12 @@ def build_model(
         )
     embed = put(take("model.embed_tokens.weight", (c.vocab_size, e)))
     if c.tie_word_embeddings:
-        # Tied: on the GPU the very same tensor; on the CPU a transposed copy.
-        lm_head = embed.t().contiguous() if transposed else embed
+        # Tied: on the GPU the very same memory; on the CPU a transposed copy.
+        lm_head = Linear(embed)
     else:
         lm_head = put_matrix(take("lm_head.weight", (c.vocab_size, e)))
     norm = put(take("model.norm.weight", (e,)))
-    return LlamaModel(
-        c, embed, layers, norm, lm_head, weights_transposed=transposed, max_positions=max_model_len
-    )
+    return LlamaModel(c, embed, layers, norm, lm_head, max_positions=max_model_len)
 
 
 def check_no_unused_weights(
@@ -246,11 +242,8 @@ def dummy_model(
     gen = torch.Generator(device=dev).manual_seed(seed)
     c = config
 
-    transposed = dev.type == "cpu"  # see LayerWeights
-
-    def mat(rows: int, cols: int) -> torch.Tensor:
-        w = torch.randn(rows, cols, generator=gen, device=dev, dtype=dt) * std
-        return w.t().contiguous() if transposed else w
+    def mat(rows: int, cols: int) -> Linear:
+        return Linear(torch.randn(rows, cols, generator=gen, device=dev, dtype=dt) * std)
 
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, device=dev, dtype=dt)
@@ -268,8 +261,5 @@ def dummy_model(
         for _ in range(c.num_hidden_layers)
     ]
     embed = torch.randn(c.vocab_size, e, generator=gen, device=dev, dtype=dt) * std
-    if c.tie_word_embeddings:
-        lm_head = embed.t().contiguous() if transposed else embed
-    else:
-        lm_head = mat(c.vocab_size, e)
-    return LlamaModel(c, embed, layers, ones(e), lm_head, weights_transposed=transposed)
+    lm_head = Linear(embed) if c.tie_word_embeddings else mat(c.vocab_size, e)
+    return LlamaModel(c, embed, layers, ones(e), lm_head)

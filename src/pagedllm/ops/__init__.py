@@ -1,13 +1,15 @@
 """Op dispatch: every op has a reference (PyTorch) and, on CUDA, a Triton kernel.
 
-`PAGEDLLM_OPS=reference` or `PAGEDLLM_OPS=triton` forces one implementation;
-otherwise CUDA tensors take Triton (when it imports) and CPU tensors take the
-reference. With `TRITON_INTERPRET=1` and `PAGEDLLM_OPS=triton`, the Triton
-kernels run on the CPU (slowly), which is how CI tests them.
+The mode picks the implementation: "reference" or "triton" forces one; "auto"
+gives CUDA tensors Triton (when it imports) and CPU tensors the reference. The
+mode is an argument (`implementation(device, mode)`; `LlamaModel.ops_mode`
+passes it); when it is None, `$PAGEDLLM_OPS` is read on every call, and unset
+means auto. With `TRITON_INTERPRET=1` and mode "triton", the Triton kernels run
+on the CPU (slowly), which is how CI tests them.
 
 Both implementations share one signature per op (see `ops/reference.py` for the
-spec of each). The choice is made per call from the tensor's device, so a
-model can hold no state about it.
+spec of each). The choice is made per call from the device and the mode, so a
+model holds at most the mode it was asked for.
 """
 
 from __future__ import annotations
@@ -41,16 +43,25 @@ def _triton_module() -> ModuleType | None:
     return triton_impl
 
 
-def ops_mode() -> str:
-    mode = os.environ.get("PAGEDLLM_OPS", "auto").lower()
-    if mode not in ("auto", "reference", "triton"):
-        raise ValueError(f"PAGEDLLM_OPS={mode!r}: choose 'reference', 'triton' or unset (auto)")
+MODES = ("auto", "reference", "triton")
+
+
+def ops_mode(mode: str | None = None) -> str:
+    """The mode in force: `mode` when given, else $PAGEDLLM_OPS, else "auto"."""
+    if mode is None:
+        env = os.environ.get("PAGEDLLM_OPS", "auto").lower()
+        if env not in MODES:
+            raise ValueError(f"PAGEDLLM_OPS={env!r}: choose 'reference', 'triton' or unset (auto)")
+        return env
+    if mode not in MODES:
+        raise ValueError(f"ops mode {mode!r}: choose 'auto', 'reference', 'triton' or None")
     return mode
 
 
-def implementation(device: torch.device | str) -> ModuleType:
-    """The module whose functions run ops for tensors on `device`."""
-    mode = ops_mode()
+def implementation(device: torch.device | str, mode: str | None = None) -> ModuleType:
+    """The module whose functions run ops for tensors on `device`, under `mode`
+    ("auto", "reference", "triton"; None: $PAGEDLLM_OPS, else auto)."""
+    mode = ops_mode(mode)
     if mode == "reference":
         return reference
     if mode == "triton" or torch.device(device).type == "cuda":
@@ -58,12 +69,14 @@ def implementation(device: torch.device | str) -> ModuleType:
         if mod is None:
             if mode == "triton":
                 raise RuntimeError(
-                    "PAGEDLLM_OPS=triton but triton is not installed (pip install triton)"
+                    "ops mode 'triton' (PAGEDLLM_OPS or the ops setting) but triton is not "
+                    "installed (pip install triton)"
                 )
             return reference
         return mod
     return reference
 
 
-def implementation_name(device: torch.device | str) -> str:
-    return "reference" if implementation(device) is reference else "triton"
+def implementation_name(device: torch.device | str, mode: str | None = None) -> str:
+    """The name of what `implementation(device, mode)` returns: reference or triton."""
+    return "reference" if implementation(device, mode) is reference else "triton"

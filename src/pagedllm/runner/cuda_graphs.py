@@ -17,15 +17,11 @@ batch uses are refreshed each step (the rest are never read).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from pagedllm.model.batch import ForwardBatch
-
-if TYPE_CHECKING:
-    from pagedllm.request import Request
-    from pagedllm.runner.model_runner import ModelRunner
+from pagedllm.model.llama import KVCache, LlamaModel
+from pagedllm.runner.batch import HostBatch
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -37,13 +33,22 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        model = runner.model
-        dev = runner.device
-        self.max_bs = runner.max_num_seqs
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_caches: list[KVCache],
+        max_num_seqs: int,
+        max_model_len: int,
+        host_tables: torch.Tensor,
+    ) -> None:
+        dev = model.device
+        self.kv_caches = kv_caches
+        self.max_model_len = max_model_len
+        # The runner's pinned (max_num_seqs, width) host mirror of the block tables.
+        self.host_tables = host_tables
+        self.max_bs = max_num_seqs
         self.buckets = batch_buckets(self.max_bs)
-        width = runner.max_blocks_per_seq
+        width = host_tables.shape[1]
         n = self.max_bs
         # Device buffers the graphs read (their addresses are baked into the graphs).
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
@@ -51,13 +56,10 @@ class DecodeGraphs:
         self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.logits_indices = torch.arange(n, dtype=torch.long, device=dev)
         # Pinned host staging: [ids | positions | slots] as int64, [seq_lens] int32.
+        # (Block-table rows are copied straight from the runner's pinned mirror.)
         self.h_long = torch.zeros((3, n), dtype=torch.long).pin_memory()
         self.h_int = torch.zeros(n, dtype=torch.int32).pin_memory()
-        self.h_tables = torch.zeros((n, width), dtype=torch.int32).pin_memory()
         self.d_long = torch.zeros((3, n), dtype=torch.long, device=dev)
-        # Which request's block table each row of the device table holds, and how
-        # many of its pages: a row is re-sent only when that changes.
-        self.row_owner: list[tuple[int, int] | None] = [None] * n
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._capture(model)
@@ -74,12 +76,12 @@ class DecodeGraphs:
             is_decode=True,
             max_q_len=1,
             # The graph must be valid for any context up to the longest allowed.
-            max_seq_len=self.runner.max_model_len,
+            max_seq_len=self.max_model_len,
         )
 
     @torch.inference_mode()
     def _capture(self, model) -> None:
-        kv = self.runner.kv_caches
+        kv = self.kv_caches
         self.d_long[2].fill_(-1)  # padding: store nothing
         self.seq_lens.fill_(1)
         # Warm up every bucket eagerly first: Triton compiles on first launch.
@@ -101,49 +103,37 @@ class DecodeGraphs:
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.max_bs
 
-    def run(self, scheduled: list[Request]) -> torch.Tensor:
-        """Fill the buffers from the requests and replay; returns (B, V) logits.
+    def run(self, host: HostBatch, dirty_rows: set[int]) -> torch.Tensor:
+        """Copy the step's host arrays (built by `ModelRunner.prepare`) into the
+        graph's buffers and replay; returns (B, V) logits.
 
-        The pinned staging buffers are rewritten here without waiting on the last
-        step's copies: safe because the engine reads the sampled ids (a sync) every
-        step. An engine that prepares step n+1 while step n runs must first record
-        an event after these copies and wait on it before writing again."""
-        try:
-            return self._run(scheduled)
-        except BaseException:
-            # Interrupted (Ctrl-C, an error) between noting a row's owner and
-            # copying its table: forget every owner, so the next step resends all.
-            self.row_owner = [None] * len(self.row_owner)
-            raise
+        `dirty_rows`: rows of the runner's block-table mirror rewritten since
+        this buffer last copied them; the batch's are sent (columns up to its
+        longest table: nothing past a row's table is read) and removed.
 
-    def _run(self, scheduled: list[Request]) -> torch.Tensor:
-        b = len(scheduled)
+        The copies are asynchronous, from pinned memory, and the host arrays are
+        rewritten next step without waiting: safe because the engine reads the
+        sampled ids (a sync) every step. An engine that prepares step n+1 while
+        step n runs must first record an event after these copies and wait on it."""
+        b = host.num_seqs
         bucket = next(x for x in self.buckets if x >= b)
-        bs = self.runner.block_size
         h = self.h_long.numpy()
         hi = self.h_int.numpy()
-        ht = self.h_tables.numpy()
-        lo, hi_row, width = b, -1, 0  # rows whose block table changed: lo..hi_row
-        for i, req in enumerate(scheduled):
-            pos = req.num_tokens - 1  # the last sampled token is the one computed now
-            table = req.block_table
-            h[0, i] = req.last_token_id
-            h[1, i] = pos
-            h[2, i] = table[pos // bs] * bs + pos % bs
-            hi[i] = pos + 1
-            owner = (req.request_id, len(table))
-            if self.row_owner[i] != owner:
-                self.row_owner[i] = owner
-                ht[i, : len(table)] = table
-                lo, hi_row = min(lo, i), max(hi_row, i)
-                width = max(width, len(table))
+        h[0, :b] = host.input_ids
+        h[1, :b] = host.positions
+        h[2, :b] = host.slot_mapping
         h[2, b:bucket] = -1
+        hi[:b] = host.seq_lens
         hi[b:bucket] = 0
         # Whole buffers (6 KB): a contiguous pinned source keeps the copies asynchronous.
         self.d_long.copy_(self.h_long, non_blocking=True)
         self.seq_lens.copy_(self.h_int, non_blocking=True)
-        if hi_row >= lo:
-            rows = slice(lo, hi_row + 1)
-            self.block_tables[rows, :width].copy_(self.h_tables[rows, :width], non_blocking=True)
+        # This batch's rows among them; a row past the batch stays dirty until a
+        # graph step uses it.
+        send = [i for i in dirty_rows if i < b]
+        if send:
+            rows, width = slice(min(send), max(send) + 1), host.longest_table
+            self.block_tables[rows, :width].copy_(self.host_tables[rows, :width], non_blocking=True)
+            dirty_rows.difference_update(send)
         self.graphs[bucket].replay()
         return self.outputs[bucket][:b]

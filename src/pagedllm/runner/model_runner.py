@@ -1,9 +1,12 @@
 """ModelRunner: the one place where Python lists become tensors.
 
 Owns: the KV cache tensors (per layer, K and V of shape (NB, BS, Hkv, D) in
-the compute dtype), turning a `SchedulerOutput` into a `ForwardBatch`, running
-the model, and (on CUDA) the decode CUDA graphs. Does not own: which requests
-run (scheduler), which pages they hold (block manager), or sampling.
+the compute dtype), turning a step's plan (`SchedulerOutput`) into a
+`ForwardBatch`, running the model (or replaying a decode CUDA graph that
+copies from the same host arrays), sampling on the device, and handing back
+plain host lists (`RunnerOutput`): one device-to-host copy per step. Also owns
+each seeded request's random generator, for the request's life. Does not own:
+which requests run (scheduler), which pages they hold (block manager), text.
 
 Token i of a request lives at slot `block_table[i // BS] * BS + i % BS`.
 """
@@ -11,20 +14,27 @@ Token i of a request lives at slot `block_table[i // BS] * BS + i % BS`.
 from __future__ import annotations
 
 import math
-import os
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from pagedllm.engine_config import EngineConfig
+from pagedllm.model import load_model
 from pagedllm.model.batch import ForwardBatch
 from pagedllm.model.llama import KVCache, LlamaModel
+from pagedllm.model.loader import resolve_device, resolve_dtype
 from pagedllm.ops import implementation_name
 from pagedllm.request import Request
+from pagedllm.resolve import resolve_model_path
+from pagedllm.runner.batch import HostBatch
+from pagedllm.runner.cuda_graphs import DecodeGraphs
+from pagedllm.sampling import Sampler, SamplingMetadata, compute_logprobs, make_generator
+from pagedllm.scheduler import SchedulerOutput
 
 MiB = 1 << 20
+Logprobs = dict[int, float]  # token id -> log-prob: the chosen token and the top k
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,55 @@ class KVCacheSpec:
     @property
     def mib(self) -> float:
         return self.num_blocks * self.block_size * self.bytes_per_token / MiB
+
+
+@dataclass
+class RunnerOutput:
+    """What one step computed, as host values, parallel to the plan's requests."""
+
+    # The sampled id of each request that computed its last token this step;
+    # None for one still computing its prompt (a chunk that ends short of it).
+    sampled_token_ids: list[int | None]
+    # For requests that asked for log-probs and were sampled: the sampled
+    # token's log-prob and the top `logprobs` ones.
+    logprobs: list[Logprobs | None]
+    # request_id -> prompt log-probs of the prompt positions computed this step
+    # (vLLM's format: None for the first prompt token, then {id: logprob} with
+    # the prompt's own token and the top `prompt_logprobs`).
+    prompt_logprobs: dict[int, list[Logprobs | None]] = field(default_factory=dict)
+
+
+def load_or_check_model(
+    config: EngineConfig, model: LlamaModel | None, max_positions: int
+) -> LlamaModel:
+    """The engine's model: `model` as given (checked against the config), or
+    loaded from `config.model` (the default model when None) for at most
+    `max_positions` positions."""
+    if model is None:
+        return load_model(
+            resolve_model_path(config.model),
+            config.device,
+            config.dtype,
+            max_model_len=max_positions,
+        )
+    if config.device is not None:
+        # An already loaded model is used as it is: a device or dtype that says
+        # otherwise is a mistake, not a request to convert.
+        want = resolve_device(config.device)
+        have = model.device
+        if want.type != have.type or (want.index is not None and want.index != have.index):
+            raise ValueError(
+                f"device={str(config.device)!r} but the model given is on {have}; "
+                f"load it on that device, or leave device unset"
+            )
+    if config.dtype is not None:
+        want_dtype = resolve_dtype(config.dtype, model.device)
+        if want_dtype != model.dtype:
+            raise ValueError(
+                f"dtype={str(config.dtype)!r} but the model given is {model.dtype}; "
+                f"load it in that dtype, or leave dtype unset"
+            )
+    return model
 
 
 def plan_kv_cache(
@@ -87,14 +146,20 @@ class ModelRunner:
         kv_spec: KVCacheSpec,
         max_model_len: int,
         max_num_seqs: int,
-        use_cuda_graphs: bool | None = None,
+        use_cuda_graphs: bool = True,
+        ops_mode: str | None = None,
     ) -> None:
         self.model = model
+        model.ops_mode = ops_mode
         self.device = model.device
+        if self.device.type == "cuda":
+            # Triton launches and graph capture use the current device.
+            torch.cuda.set_device(self.device)
         self.block_size = kv_spec.block_size
         self.kv_spec = kv_spec
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self.vocab_size = model.config.vocab_size
         # The block table is wide enough for the longest allowed context.
         self.max_blocks_per_seq = math.ceil(max_model_len / kv_spec.block_size)
         cfg = model.config
@@ -107,108 +172,237 @@ class ModelRunner:
             for _ in range(cfg.num_hidden_layers)
         ]
         self.pin = self.device.type == "cuda"
-        if use_cuda_graphs is None:
-            # Graphs need the Triton kernels: their padding rows (slot -1) are no-ops
-            # there, while the reference store would wrap -1 to the pool's last slot.
-            use_cuda_graphs = (
-                self.device.type == "cuda"
-                and implementation_name(self.device) == "triton"
-                and os.environ.get("PAGEDLLM_CUDA_GRAPHS", "1") not in ("0", "false")
-            )
+        # A host mirror of the block tables, one row per batch slot, rewritten
+        # only when the request in that slot (or its page count) changes. Pinned
+        # on CUDA, so the graphs copy changed rows from it asynchronously.
+        tables = torch.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=torch.int32)
+        self.host_tables_t = tables.pin_memory() if self.pin else tables
+        self.host_tables = self.host_tables_t.numpy()
+        # Who each row holds: (the block manager's list of that request's pages,
+        # its length). The manager makes a new list whenever it admits a request,
+        # so the same list object with the same length means the same pages.
+        self._row_owner: list[tuple[list[int], int] | None] = [None] * max_num_seqs
+        # Rows rewritten since the CUDA graphs' own copy of the table last saw them.
+        self._dirty_rows: set[int] = set()
+        self._rows = np.arange(max_num_seqs)
+        self._arange32 = np.arange(max_num_seqs + 1, dtype=np.int32)
+        self.sampler = Sampler()
+        self._generators: dict[int, torch.Generator] = {}  # seeded requests only
         self.graphs = None
-        if use_cuda_graphs:
-            from pagedllm.runner.cuda_graphs import DecodeGraphs
-
-            self.graphs = DecodeGraphs(self)
-        self.host_time_s = 0.0  # time spent building batches on the host
+        # Graphs need the Triton kernels: their padding rows (slot -1) are no-ops
+        # there, while the reference store would wrap -1 to the pool's last slot.
+        if (
+            use_cuda_graphs
+            and self.device.type == "cuda"
+            and implementation_name(self.device, ops_mode) == "triton"
+        ):
+            self.graphs = DecodeGraphs(
+                model, self.kv_caches, max_num_seqs, max_model_len, self.host_tables_t
+            )
+        self.host_time_s = 0.0  # time spent building batches and launching, on the host
         self.num_steps = 0
 
     # ------------------------------------------------------------------
-    def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.from_numpy(array).to(dtype)
-        if self.pin:
-            t = t.pin_memory()
-            return t.to(self.device, non_blocking=True)
-        return t.to(self.device)
-
-    def prepare(
-        self,
-        scheduled: Sequence[Request],
-        num_new_tokens: Sequence[int],
-        all_logits_rows: frozenset[int] = frozenset(),
-    ) -> ForwardBatch:
-        """Flatten the scheduled requests' new tokens into one ForwardBatch.
+    def prepare(self, plan: SchedulerOutput, all_logits_rows: frozenset[int]) -> HostBatch:
+        """Flatten the plan's new tokens into host arrays (the one builder).
 
         Logits are wanted for each sequence's last new token, and for every new
         token of the sequences in `all_logits_rows` (prompt log-probs); in that
         case the rows of each sequence are contiguous and its last comes last.
         """
+        reqs, counts, starts = plan.scheduled, plan.num_new_tokens, plan.num_computed_tokens
+        num_seqs = len(reqs)
+        decode = plan.num_prefill_tokens + plan.num_decode_tokens == num_seqs
+        # One pass over the requests (at batch 256 each pass costs ~0.1 ms): refresh
+        # the block-table rows whose request changed; on decode steps also pick
+        # each request's one new token.
+        row_owner, host_tables, dirty = self._row_owner, self.host_tables, self._dirty_rows
+        ids: list[int] = []
+        longest = 0
+        for i, (req, table, c) in enumerate(zip(reqs, plan.block_tables, starts)):
+            n = len(table)
+            old = row_owner[i]
+            if old is None or old[0] is not table or old[1] != n:
+                row_owner[i] = None  # a Ctrl-C in here leaves the row marked stale
+                host_tables[i, :n] = table
+                dirty.add(i)
+                row_owner[i] = (table, n)
+            if n > longest:
+                longest = n
+            if decode:
+                prompt = req.prompt_token_ids
+                ids.append(prompt[c] if c < len(prompt) else req.output_token_ids[c - len(prompt)])
+        if decode:
+            positions = np.array(starts, dtype=np.int64)
+            input_ids = np.array(ids, dtype=np.int64)
+            rows = self._rows[:num_seqs]
+            cu_seqlens = self._arange32[: num_seqs + 1]
+            seq_lens = (positions + 1).astype(np.int32)
+            max_q_len = 1
+        else:
+            positions = np.concatenate([np.arange(c, c + n) for c, n in zip(starts, counts)])
+            input_ids = np.array(
+                [t for r, c, n in zip(reqs, starts, counts) for t in r.token_ids_between(c, c + n)],
+                dtype=np.int64,
+            )
+            counts_np = np.array(counts, dtype=np.int64)
+            rows = np.repeat(self._rows[:num_seqs], counts_np)
+            cu_seqlens = np.zeros(num_seqs + 1, dtype=np.int32)
+            np.cumsum(counts_np, out=cu_seqlens[1:])
+            seq_lens = np.add(starts, counts_np, dtype=np.int32)
+            max_q_len = max(counts)
         bs = self.block_size
-        num_seqs = len(scheduled)
-        total = sum(num_new_tokens)
-        input_ids = np.empty(total, dtype=np.int64)
-        positions = np.empty(total, dtype=np.int64)
-        slot_mapping = np.empty(total, dtype=np.int64)
-        seq_lens = np.empty(num_seqs, dtype=np.int32)
-        cu_seqlens = np.zeros(num_seqs + 1, dtype=np.int32)
+        # The slot of every new token: its page (from the block table) and offset.
+        slot_mapping = host_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
         # Width rounded up to a multiple of 16: Triton specializes integer arguments
         # (this row stride) on divisibility by 16, and a width that changes that
         # from step to step recompiles the prefill kernel (~0.5 s each time).
-        max_blocks = -(-max(len(r.block_table) for r in scheduled) // 16) * 16
-        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-        pos = 0
-        for i, (req, n) in enumerate(zip(scheduled, num_new_tokens)):
-            start = req.num_computed_tokens
-            end = start + n
-            if n == 1:
-                input_ids[pos] = (
-                    req.last_token_id if end == req.num_tokens else _token_at(req, start)
-                )
-            else:
-                input_ids[pos : pos + n] = _tokens_between(req, start, end)
-            p = np.arange(start, end, dtype=np.int64)
-            positions[pos : pos + n] = p
-            table = np.asarray(req.block_table, dtype=np.int64)
-            slot_mapping[pos : pos + n] = table[p // bs] * bs + p % bs
-            seq_lens[i] = end
-            block_tables[i, : len(req.block_table)] = req.block_table
-            pos += n
-            cu_seqlens[i + 1] = pos
-        dev = self._to_device
-        return ForwardBatch(
-            input_ids=dev(input_ids, torch.long),
-            positions=dev(positions, torch.long),
-            slot_mapping=dev(slot_mapping, torch.long),
-            block_tables=dev(block_tables, torch.int32),
-            seq_lens=dev(seq_lens, torch.int32),
-            cu_seqlens_q=dev(cu_seqlens, torch.int32),
-            logits_indices=dev(_logits_indices(cu_seqlens, all_logits_rows), torch.long),
-            is_decode=total == num_seqs,
-            max_q_len=int(max(num_new_tokens)),
+        width = min(-(-longest // 16) * 16, host_tables.shape[1])
+        if all_logits_rows:
+            logits_indices = _logits_indices(cu_seqlens, all_logits_rows)
+        elif decode:
+            logits_indices = rows  # row i's one token is token i
+        else:
+            logits_indices = cu_seqlens[1:].astype(np.int64) - 1
+        return HostBatch(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            seq_lens=seq_lens,
+            cu_seqlens=cu_seqlens,
+            logits_indices=logits_indices,
+            block_tables=host_tables[:num_seqs, :width],
+            longest_table=longest,
+            max_q_len=max_q_len,
             max_seq_len=int(seq_lens.max()),
         )
 
+    def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+        if self.pin:
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def forward_batch(self, host: HostBatch) -> ForwardBatch:
+        dev = self._to_device
+        return ForwardBatch(
+            input_ids=dev(host.input_ids, torch.long),
+            positions=dev(host.positions, torch.long),
+            slot_mapping=dev(host.slot_mapping, torch.long),
+            block_tables=dev(host.block_tables, torch.int32),
+            seq_lens=dev(host.seq_lens, torch.int32),
+            cu_seqlens_q=dev(host.cu_seqlens, torch.int32),
+            logits_indices=dev(host.logits_indices, torch.long),
+            is_decode=host.is_decode,
+            max_q_len=host.max_q_len,
+            max_seq_len=host.max_seq_len,
+        )
+
+    # ------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(
-        self,
-        scheduled: Sequence[Request],
-        num_new_tokens: Sequence[int],
-        all_logits_rows: frozenset[int] = frozenset(),
-    ) -> torch.Tensor:
-        """Run one step; return float32 logits: one row per scheduled request (its
-        last token), or, when `all_logits_rows` is given, one row per token of
-        those requests and one per other request, in batch order."""
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """Run one step: build the batch, run the model, sample, copy to the host once."""
+        for request_id in plan.finished_request_ids:
+            self._generators.pop(request_id, None)
+        reqs = plan.scheduled
+        if not reqs:
+            return RunnerOutput([], [])
         t0 = time.perf_counter()
-        is_decode = all(n == 1 for n in num_new_tokens)
-        if is_decode and self.graphs is not None and self.graphs.can_run(len(scheduled)):
-            logits = self.graphs.run(scheduled)
+        # Requests that want prompt log-probs get a logits row for every new
+        # prompt token; everyone else only for their last new token.
+        full = frozenset(
+            i
+            for i, (r, c) in enumerate(zip(reqs, plan.num_computed_tokens))
+            if r.sampling_params.prompt_logprobs is not None and c < r.num_prompt_tokens
+        )
+        host = self.prepare(plan, full)
+        if host.is_decode and self.graphs is not None and self.graphs.can_run(host.num_seqs):
+            logits = self.graphs.run(host, self._dirty_rows)
         else:
-            batch = self.prepare(scheduled, num_new_tokens, all_logits_rows)
-            hidden = self.model.forward(batch, self.kv_caches)
-            logits = self.model.compute_logits(hidden)
+            hidden = self.model.forward(self.forward_batch(host), self.kv_caches)
+            logits = self.model.compute_logits(hidden)  # (rows, V) float32
         self.host_time_s += time.perf_counter() - t0
         self.num_steps += 1
-        return logits
+        prompt_lp = self._prompt_logprobs(logits, plan, full) if full else {}
+        # Sample for the requests that computed their last token.
+        ends = host.seq_lens.tolist()
+        done = [i for i, (r, end) in enumerate(zip(reqs, ends)) if end == r.num_tokens]
+        sampled: list[int | None] = [None] * len(reqs)
+        logprobs: list[Logprobs | None] = [None] * len(reqs)
+        if done:
+            if full or len(done) < len(reqs):  # pick each sampled request's last row
+                last_rows = _last_rows(host.cu_seqlens, full)
+                logits = logits[torch.tensor([last_rows[i] for i in done], device=logits.device)]
+            done_reqs = [reqs[i] for i in done] if len(done) < len(reqs) else list(reqs)
+            generators = None
+            if any(r.sampling_params.seed is not None for r in done_reqs):
+                generators = [self._generator(r) for r in done_reqs]
+            meta = SamplingMetadata.from_requests(
+                done_reqs, self.vocab_size, self.device, generators
+            )
+            out = self.sampler(logits, meta)
+            ids = out.sampled_token_ids.tolist()  # the step's one device-to-host copy
+            entries = (
+                _entries(out.logprobs, [r.sampling_params.logprobs for r in done_reqs])
+                if out.logprobs is not None
+                else None
+            )
+            for j, i in enumerate(done):
+                sampled[i] = ids[j]
+                if entries is not None:
+                    logprobs[i] = entries[j]
+        return RunnerOutput(sampled, logprobs, prompt_lp)
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        """A seeded request's own generator, made at its first sample and kept until it finishes."""
+        seed = req.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self._generators.get(req.request_id)
+        if gen is None:
+            gen = self._generators[req.request_id] = make_generator(seed, self.device)
+        return gen
+
+    def _prompt_logprobs(
+        self, logits: torch.Tensor, plan: SchedulerOutput, full: frozenset[int]
+    ) -> dict[int, list[Logprobs | None]]:
+        """Prompt log-probs of the prompt positions each `full` request computed:
+        position p's logits give the log-prob of prompt token p + 1."""
+        result: dict[int, list[Logprobs | None]] = {}
+        row = 0
+        for i, (req, c, n) in enumerate(
+            zip(plan.scheduled, plan.num_computed_tokens, plan.num_new_tokens)
+        ):
+            if i not in full:
+                row += 1
+                continue
+            k = req.sampling_params.prompt_logprobs
+            prompt = req.prompt_token_ids
+            entries: list[Logprobs | None] = [None] if c == 0 else []
+            end = min(c + n, len(prompt) - 1)  # the last prompt position predicts no prompt token
+            if end > c:
+                target = torch.tensor(prompt[c + 1 : end + 1], device=logits.device)
+                lp = compute_logprobs(logits[row : row + end - c], k, target)
+                entries += _entries(lp, [k] * (end - c))
+            result[req.request_id] = entries
+            row += n
+        return result
+
+
+def _entries(lp, ks: list[int | None]) -> list[Logprobs | None]:
+    """Row j as {id: logprob}: its top ks[j] and its own token (always there);
+    None where ks[j] is None (the request asked for none)."""
+    ids, tok = lp.token_ids.tolist(), lp.token_logprobs.tolist()
+    top_ids, top_lp = lp.topk_ids.tolist(), lp.topk_logprobs.tolist()
+    out: list[Logprobs | None] = []
+    for j, k in enumerate(ks):
+        if k is None:
+            out.append(None)
+            continue
+        entry = dict(zip(top_ids[j][:k], top_lp[j][:k]))
+        entry[ids[j]] = tok[j]
+        out.append(entry)
+    return out
 
 
 def _logits_indices(cu_seqlens: np.ndarray, all_rows: frozenset[int]) -> np.ndarray:
@@ -222,11 +416,15 @@ def _logits_indices(cu_seqlens: np.ndarray, all_rows: frozenset[int]) -> np.ndar
     return np.concatenate(parts).astype(np.int64)
 
 
-def _tokens_between(req: Request, start: int, end: int) -> list[int]:
-    n_prompt = req.num_prompt_tokens
-    if end <= n_prompt:
-        return req.prompt_token_ids[start:end]
-    return req.all_token_ids[start:end]
+def _last_rows(cu_seqlens: np.ndarray, all_rows: frozenset[int]) -> list[int]:
+    """Which logits row holds each sequence's last token."""
+    if not all_rows:
+        return list(range(len(cu_seqlens) - 1))
+    rows, r = [], 0
+    for i in range(len(cu_seqlens) - 1):
+        r += int(cu_seqlens[i + 1] - cu_seqlens[i]) if i in all_rows else 1
+        rows.append(r - 1)
+    return rows
 
 
 def _token_at(req: Request, i: int) -> int:

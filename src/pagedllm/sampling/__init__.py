@@ -1,8 +1,8 @@
-"""Sampling and stopping: logits -> token ids, and when a request is done.
+"""Sampling: logits -> token ids, on the device (called by the runner).
 
 `sampler.py` turns a batch's logits into one token per request (greedy,
-temperature, top-k/p, min-p, penalties, seeds, log-probs); `stop.py` checks
-stop strings on the streamed text and stop token ids on the sampled ids.
+temperature, top-k/p, min-p, penalties, seeds, log-probs). Stop strings are
+the engine's (`engine/stop_strings.py`), token stops the scheduler's.
 """
 
 from pagedllm.sampling.sampler import (
@@ -13,15 +13,12 @@ from pagedllm.sampling.sampler import (
     compute_logprobs,
     make_generator,
 )
-from pagedllm.sampling.stop import StopStringMatcher, check_stop_token
 
 __all__ = [
     "LogprobsTensors",
     "Sampler",
     "SamplerOutput",
     "SamplingMetadata",
-    "StopStringMatcher",
-    "check_stop_token",
     "compute_logprobs",
     "make_generator",
 ]

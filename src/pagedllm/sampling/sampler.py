@@ -3,9 +3,9 @@
 Owns: applying each request's own parameters to its row of logits, in one pass
 over the batch, on whatever device the logits live (the same code on CPU and
 CUDA). Does not own: which requests run (scheduler), the logits (model),
-stopping (`stop.py`), or the lifetime of seeded requests' generators (the
-engine keeps one per seeded request, made by `make_generator`, for the whole
-request).
+stopping (scheduler and engine), or the lifetime of seeded requests'
+generators (the runner keeps one per seeded request, made by
+`make_generator`, for the whole request).
 
 Order, per row, as vLLM v1's `Sampler`:
 
@@ -102,7 +102,6 @@ class LogprobsTensors:
 
     token_ids: Tensor  # (N,) int64: the sampled (or given) token
     token_logprobs: Tensor  # (N,) float32: its log-prob
-    token_ranks: Tensor  # (N,) int64: tokens at least as likely, itself included (vLLM rank)
     topk_ids: Tensor  # (N, K) int64, most likely first
     topk_logprobs: Tensor  # (N, K) float32
 
@@ -359,8 +358,7 @@ def compute_logprobs(logits: Tensor, num_logprobs: int, token_ids: Tensor) -> Lo
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # (N, V)
     topk_logprobs, topk_ids = logprobs.topk(num_logprobs, dim=-1)  # (N, K)
     token_logprobs = logprobs.gather(1, token_ids[:, None]).squeeze(1)  # (N,)
-    ranks = (logprobs >= token_logprobs[:, None]).sum(dim=-1)  # vLLM's rank
-    return LogprobsTensors(token_ids, token_logprobs, ranks, topk_ids, topk_logprobs)
+    return LogprobsTensors(token_ids, token_logprobs, topk_ids, topk_logprobs)
 
 
 class Sampler:

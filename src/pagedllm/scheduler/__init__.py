@@ -1,8 +1,10 @@
-"""What runs each step (no torch): FIFO admission under a page budget, static or continuous."""
+"""What runs each step (no torch): FIFO admission under a page budget, chunked
+prefill under a token budget, the "reserve" and "optimistic" policies, preemption."""
 
 from pagedllm.scheduler.scheduler import (
     BATCHING_CHOICES,
     RequestRejected,
+    RequestUpdate,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
@@ -11,6 +13,7 @@ from pagedllm.scheduler.scheduler import (
 __all__ = [
     "BATCHING_CHOICES",
     "RequestRejected",
+    "RequestUpdate",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",

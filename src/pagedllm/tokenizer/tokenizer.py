@@ -117,7 +117,7 @@ class Tokenizer:
         """The tokenizer of a model: an HF directory, a .gguf file, a tokenizer.json,
         or (None) the default model."""
         if path is None:
-            from pagedllm.model.resolve import resolve_model_path
+            from pagedllm.resolve import resolve_model_path
 
             path = resolve_model_path(None)
         path = Path(path).expanduser()

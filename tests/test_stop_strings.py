@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.sampling.stop import StopStringMatcher, check_stop_token
+from pagedllm.engine.stop_strings import StopStringMatcher
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -114,15 +114,3 @@ def test_streamed_equals_reference_and_never_leaks(case, include):
     assert history[-1] == answer
     # Every intermediate emission is a prefix of the answer: no partial stop leaked.
     assert all(answer.startswith(h) for h in history)
-
-
-def test_check_stop_token():
-    p = SamplingParams(stop_token_ids=[5], min_tokens=2)
-    eos = {2}
-    assert check_stop_token(2, 2, p, eos) is None  # within min_tokens
-    assert check_stop_token(2, 3, p, eos) == 2
-    assert check_stop_token(5, 3, p, eos) == 5
-    assert check_stop_token(7, 3, p, eos) is None
-    q = SamplingParams(ignore_eos=True, stop_token_ids=[5])
-    assert check_stop_token(2, 1, q, eos) is None
-    assert check_stop_token(5, 1, q, eos) == 5

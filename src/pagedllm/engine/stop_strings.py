@@ -1,9 +1,10 @@
-"""Stopping: stop strings on the streamed text, stop token ids on the sampled ids.
+"""Stop strings on the streamed text.
 
-Pure Python, no torch. Owns: deciding when a request's *text* or *token* says
-stop, and how much of the text is safe to show. Does not own: max_tokens and
-the model's context length (the engine checks those), or detokenization (the
-tokenizer's incremental detokenizer produces the `new_text` fed here).
+Pure Python, no torch. Owns: deciding when a request's *text* says stop, and
+how much of the text is safe to show. Does not own: the token-level stops
+(EOS, stop token ids, max_tokens, the model's context: the scheduler's
+`_check_stop`, the one rule for those), or detokenization (the tokenizer's
+incremental detokenizer produces the `new_text` fed here).
 
 `StopStringMatcher` is fed each step's new detokenized text and returns the
 part that is safe to emit. It holds back the longest suffix that could still
@@ -24,7 +25,7 @@ before the winning stop string (or right after it, with
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -103,24 +104,3 @@ class StopStringMatcher:
                     longest = n
                     break
         return longest
-
-
-def check_stop_token(
-    token_id: int,
-    num_output_tokens: int,
-    params: SamplingParams,
-    eos_token_ids: Collection[int],
-) -> int | None:
-    """The id that finishes the request, if `token_id` does (vLLM's rules).
-
-    `num_output_tokens` counts the outputs including `token_id`. The first
-    `min_tokens` outputs never stop (the sampler masks these ids for them, so
-    this is a guard); EOS ids stop unless `ignore_eos`; `stop_token_ids` always do.
-    """
-    if num_output_tokens <= params.min_tokens:
-        return None
-    if not params.ignore_eos and token_id in eos_token_ids:
-        return token_id
-    if token_id in params.stop_token_ids:
-        return token_id
-    return None
