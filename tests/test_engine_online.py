@@ -261,6 +261,7 @@ def test_a_cached_page_is_evicted_only_when_its_memory_is_needed(tiny):
     assert bm.pool.num_cached == 2  # a never-cached free page went first
     llm.generate([list(range(200, 250))], greedy(2), use_tqdm=False)  # four pages: evicts
     assert bm.pool.num_cached <= 3
+    assert llm.stats()["prefix_cache_evictions"] >= 1
     before = llm.stats()["prefix_cache_hit_tokens"]
     llm.generate([prompt], greedy(2), use_tqdm=False)
     assert llm.stats()["prefix_cache_hit_tokens"] == before  # its pages were evicted

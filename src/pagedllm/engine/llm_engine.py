@@ -479,6 +479,7 @@ class LLMEngine:
             "pages_peak_used": bm.peak_used_blocks,
             "pages_free": bm.num_free_blocks,
             "pages_cached": bm.pool.num_cached,
+            "prefix_cache_evictions": bm.pool.num_evictions,
             "pages_total_mib": round(bm.num_blocks * per_block, 2),
             "pages_peak_used_mib": round(bm.peak_used_blocks * per_block, 2),
             "pages_free_mib": round(bm.num_free_blocks * per_block, 2),
