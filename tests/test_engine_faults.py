@@ -133,6 +133,7 @@ def sigint_inside(monkeypatch, owner, name: str, times: int = 1) -> list[int]:
     "where",
     [
         "BlockPool.allocate",  # pages taken, not yet in a block table
+        "Scheduler.schedule",  # a step planned (pages named), not yet computed
         "Scheduler.add_request",  # queued, engine state not yet recorded
         "Scheduler.update",  # tokens appended, not yet detokenized
         "LLMEngine.abort",  # a second Ctrl-C during the cleanup

@@ -236,6 +236,62 @@ def test_a_failed_step_takes_back_the_pages_it_named(tiny, fail_with):
     assert_clean(llm)
 
 
+def test_ctrl_c_after_planning_takes_back_the_pages_it_named(tiny):
+    """A Ctrl-C held during `schedule()` is raised when planning ends, after the
+    plan named the pages it would fill: the step is undone, so the next request
+    with that prompt computes it again instead of reading pages never written."""
+    import signal
+
+    llm = LLM(model=tiny, kv_cache_mib=4)
+    prompt = list(range(10, 50))  # 40 tokens: two full pages
+    _, want = run(tiny, [prompt], [greedy(6)], kv_cache_mib=4, **SEED_CONFIG)
+    real = llm.engine.scheduler.schedule
+
+    def interrupted():
+        plan = real()
+        signal.raise_signal(signal.SIGINT)  # held until planning ends, then raised
+        return plan
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        llm.engine.scheduler.schedule = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([prompt], greedy(6), use_tqdm=False)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        llm.engine.scheduler.schedule = real
+    assert llm.engine.block_manager.pool.num_cached == 0
+    assert_clean(llm)
+    assert llm.generate([prompt], greedy(6), use_tqdm=False)[0].token_ids == want[0]
+
+
+def test_prompt_logprobs_survive_preemption_mid_prompt(tiny):
+    """A request asking for prompt log-probs is preempted while its prompt is
+    computed in chunks; its recompute sends entries it has already."""
+    page_mib = tiny.config.kv_bytes_per_token(4) * 16 / 2**20
+    g = torch.Generator().manual_seed(9)
+    a = torch.randint(3, 500, (30,), generator=g).tolist()
+    b = torch.randint(3, 500, (100,), generator=g).tolist()
+    params = [greedy(30), SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0)]
+    base = LLM(model=tiny, kv_cache_mib=4, **SEED_CONFIG)
+    want = base.generate([a, b], params, use_tqdm=False)[1].prompt_logprobs
+    llm = LLM(
+        model=tiny,
+        kv_cache_mib=8 * page_mib,
+        admission="optimistic",
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+    )
+    got = llm.generate([a, b], params, use_tqdm=False)[1].prompt_logprobs
+    assert llm.stats()["preemptions"] > 0
+    assert len(got) == len(b) and got[0] is None
+    for g_entry, w_entry in zip(got[1:], want[1:]):
+        assert g_entry.keys() == w_entry.keys()
+        for k in w_entry:
+            assert abs(g_entry[k] - w_entry[k]) < 1e-4
+    assert_clean(llm)
+
+
 def test_a_fully_cached_prompt_still_computes_its_last_token(tiny):
     llm = LLM(model=tiny, kv_cache_mib=4)
     prompt = list(range(10, 42))  # exactly two pages of 16
@@ -364,6 +420,28 @@ def test_closing_a_stream_aborts_its_request(tiny, expected):
     while eng.has_unfinished():
         eng.step()
     assert b.output_token_ids == want[1]
+    assert_clean(llm)
+
+
+def test_a_stream_ends_however_its_request_ends(tiny, expected):
+    prompts, want = expected
+    llm = LLM(model=tiny, kv_cache_mib=4)
+    eng = llm.engine
+    # Finished before anyone read the stream: every output is still there.
+    done = eng.add_request(prompts[0], greedy(MAX_NEW[0]), stream=True)
+    while eng.has_unfinished():
+        eng.step()
+    outs = list(eng.stream(done))
+    assert [t for o in outs for t in o.new_token_ids] == want[0] and outs[-1].finished
+    with pytest.raises(ValueError, match="read to the end"):
+        next(eng.stream(done))
+    # Aborted by someone else, unreported, while being read: the stream still ends.
+    cut = eng.add_request(prompts[1], greedy(MAX_NEW[1]), stream=True)
+    stream = eng.stream(cut)
+    next(stream)
+    eng.abort(cut.request_id, report=False)
+    rest = list(stream)
+    assert rest[-1].finished and rest[-1].finish_reason == "abort"
     assert_clean(llm)
 
 

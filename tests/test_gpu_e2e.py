@@ -198,3 +198,31 @@ def test_online_scheduling_changes_no_greedy_output_fp32():
     page_mib = ours.config.kv_bytes_per_token(4) * 16 / 2**20
     got, st = run(kv_cache_mib=40 * page_mib, admission="optimistic", max_num_batched_tokens=128)
     assert got == want and st["preemptions"] > 0
+
+
+def test_graph_steps_that_sample_nothing_do_not_race_the_next_step():
+    """A budget of one token per step computes a prompt through decode-shaped
+    (graphed) steps that sample nothing, so nothing syncs with the GPU; with the
+    GPU made to lag, the next step's host buffers must still wait for the copies."""
+    from pagedllm import LLM, SamplingParams
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf, cfg = preset_hf_model(torch.float32, seed=3, num_layers=2, spread=True)
+    ours = ours_from_hf(hf, cfg, torch.float32)
+    del hf
+    prompt = torch.randint(0, 128000, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    settings = dict(kv_cache_mib=256, max_model_len=256, max_num_seqs=1, max_num_batched_tokens=1)
+    eager = LLM(model=ours, cuda_graphs=False, prefix_caching=False, **settings)
+    want = eager.generate([prompt], params)[0].token_ids
+    del eager
+    graphed = LLM(model=ours, prefix_caching=False, **settings)
+    assert graphed.engine.runner.graphs is not None
+    real = graphed.engine.runner.execute
+
+    def lagging(plan):
+        torch.cuda._sleep(3_000_000)  # the GPU falls behind the host
+        return real(plan)
+
+    graphed.engine.runner.execute = lagging
+    assert graphed.generate([prompt], params)[0].token_ids == want

@@ -68,8 +68,6 @@ class RequestState:
     text: str = ""  # text returned so far (stop strings removed)
     logprobs: list[Logprobs] | None = None
     prompt_logprobs: list[Logprobs | None] | None = None
-    # Outputs waiting for `LLMEngine.stream` (streaming requests only).
-    outbox: deque[StepOutput] | None = None
 
 
 @dataclass
@@ -174,8 +172,10 @@ class LLMEngine:
         self.generation_defaults = dict(mc.generation_defaults)
         self.states: dict[int, RequestState] = {}
         self._ids = itertools.count()
-        # Final outputs of aborted requests, handed out by the next step().
+        # Outputs not yet returned by step() (e.g. of requests aborted between steps).
         self._pending: list[StepOutput] = []
+        # Streaming requests' outputs, until `stream()` has handed out the last one.
+        self._outboxes: dict[int, deque[StepOutput]] = {}
         self._lock = threading.RLock()
         self.num_steps = 0
         self.num_decode_steps = 0
@@ -223,6 +223,8 @@ class LLMEngine:
                 except BaseException:
                     del self.states[rid]
                     raise
+                if stream:
+                    self._outboxes[rid] = deque()
                 self.num_requests += 1
             return req
 
@@ -238,7 +240,6 @@ class LLMEngine:
             matcher,
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
-            outbox=deque() if stream else None,
         )
 
     def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
@@ -274,11 +275,13 @@ class LLMEngine:
             state = self.states.get(req.request_id)
             if state is None or state.request is not req:
                 return
-            if report:
+            box = self._outboxes.get(req.request_id)
+            if report or box is not None:
                 out = self._postprocess_safely(req, state, [])
-                self._pending.append(out)
-                if state.outbox is not None:
-                    state.outbox.append(out)
+                if report:
+                    self._pending.append(out)
+                if box is not None:
+                    box.append(out)  # a stream always sees its end
             self.states.pop(req.request_id, None)
 
     def has_unfinished(self) -> bool:
@@ -287,36 +290,44 @@ class LLMEngine:
     # ------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """One engine step; returns what changed for each request that ran
-        (and the final output of each request aborted since the last step)."""
+        (and the final output of each request aborted since the last step).
+
+        Outputs wait in `self._pending` until they are returned: a Ctrl-C that
+        lands in the step's bookkeeping (raised when that block ends) loses
+        none of them; the next `step()` returns them."""
         with self._lock:
-            if not self.scheduler.has_unfinished():
-                with deferred_interrupts():
-                    results, self._pending = self._pending, []
-                return results
+            if self.scheduler.has_unfinished():
+                self._step()
+            results, self._pending = self._pending, []
+            return results
+
+    def _step(self) -> None:
+        plan = None
+        try:
             # 1. Decide what runs.
             with deferred_interrupts():
                 plan = self.scheduler.schedule()
             if not plan.scheduled:
                 self._raise_stalled()
             # 2. Lists -> tensors -> logits -> sampled ids (one device-to-host copy).
-            # Interruptible: nothing below changes bookkeeping until step 3; a
-            # failed step is undone (its tokens are planned again).
-            try:
-                result = self.runner.execute(plan)
-            except BaseException:
+            # Interruptible: nothing below changes bookkeeping until step 3.
+            result = self.runner.execute(plan)
+        except BaseException:
+            # A failed step is undone (its tokens are planned again; the pages
+            # it named are unnamed), whether it failed in the runner or a Ctrl-C
+            # landed at the end of the planning.
+            if plan is not None:
                 with deferred_interrupts():
                     self.scheduler.undo_step(plan)
-                raise
-            with deferred_interrupts():
-                self.num_steps += 1
-                self.num_decode_steps += int(not plan.is_prefill)
-                # 3. Bookkeeping: advance computed tokens, append samples, token-level stops.
-                self._record_prompt_logprobs(result)
-                updates = self.scheduler.update(plan, result.sampled_token_ids)
-                # 4. Detokenize, check stop strings, report.
-                results, self._pending = self._pending, []
-                results += self.process(updates, plan.scheduled, result)
-            return results
+            raise
+        with deferred_interrupts():
+            self.num_steps += 1
+            self.num_decode_steps += int(not plan.is_prefill)
+            # 3. Bookkeeping: advance computed tokens, append samples, token-level stops.
+            self._record_prompt_logprobs(result)
+            updates = self.scheduler.update(plan, result.sampled_token_ids)
+            # 4. Detokenize, check stop strings, report.
+            self._pending += self.process(updates, plan.scheduled, result)
 
     def process(
         self, updates: list[RequestUpdate], scheduled: Sequence[Request], result: RunnerOutput
@@ -336,27 +347,34 @@ class LLMEngine:
                     state.logprobs.append(logprobs[req.request_id])
             self.num_output_tokens += len(update.new_token_ids)
             out = self._postprocess_safely(req, state, update.new_token_ids)
-            if state.outbox is not None:
-                state.outbox.append(out)
+            box = self._outboxes.get(req.request_id)
+            if box is not None:
+                box.append(out)
             outputs.append(out)
         return outputs
 
     def stream(self, req: Request) -> Iterator[StepOutput]:
-        """The outputs of a request added with `stream=True`, as they come.
+        """The outputs of a request added with `stream=True`, as they come, the
+        last one with `finished` set.
 
         Steps the engine while the request's outbox is empty (other requests'
-        outputs go to their own outboxes or are returned by those steps).
-        Leaving the loop early (a closed client, an exception) aborts the request.
+        outputs go to their own outboxes, or are returned by those steps to
+        nobody: share an engine between callers through streams). Leaving the
+        loop early (a closed client, an exception) aborts the request.
         """
-        state = self.states.get(req.request_id)
-        if state is None or state.outbox is None:
-            raise ValueError(f"request {req.request_id} was not added with stream=True")
-        box = state.outbox
+        box = self._outboxes.get(req.request_id)
+        if box is None:
+            raise ValueError(
+                f"request {req.request_id} was not added with stream=True "
+                f"(or its stream was read to the end already)"
+            )
         finished = False
         try:
             while not finished:
                 with self._lock:
                     if not box:
+                        if req.is_finished and req.request_id not in self.states:
+                            return  # ended with no output left (cannot happen; be safe)
                         self.step()
                     items = list(box)
                     box.clear()
@@ -366,6 +384,7 @@ class LLMEngine:
         finally:
             if not finished:
                 self.abort(req, report=False)
+            self._outboxes.pop(req.request_id, None)
 
     def _raise_stalled(self) -> None:
         """Nothing could be scheduled although requests are unfinished: say why."""
@@ -388,14 +407,19 @@ class LLMEngine:
         raise EngineStalledError(msg)
 
     def _record_prompt_logprobs(self, result: RunnerOutput) -> None:
-        """Append this step's prompt log-probs; a request recomputing its prompt
-        after a preemption has them all already."""
-        for request_id, entries in result.prompt_logprobs.items():
+        """Append this step's prompt log-probs. Entries come with the prompt
+        index of their first one: a request recomputing its prompt after a
+        preemption sends entries it has already, which are skipped."""
+        for request_id, (start, entries) in result.prompt_logprobs.items():
             state = self.states.get(request_id)
             if state is None or state.prompt_logprobs is None:
                 continue
-            room = state.request.num_prompt_tokens - len(state.prompt_logprobs)
-            state.prompt_logprobs.extend(entries[: max(0, room)])
+            have = len(state.prompt_logprobs)
+            if start > have:
+                raise RuntimeError(
+                    f"request {request_id}: prompt log-probs from index {start}, have {have}"
+                )
+            state.prompt_logprobs.extend(entries[have - start :])
 
     def _postprocess_safely(
         self, req: Request, state: RequestState, new_ids: list[int]

@@ -62,10 +62,11 @@ class RunnerOutput:
     # For requests that asked for log-probs and were sampled: the sampled
     # token's log-prob and the top `logprobs` ones.
     logprobs: list[Logprobs | None]
-    # request_id -> prompt log-probs of the prompt positions computed this step
-    # (vLLM's format: None for the first prompt token, then {id: logprob} with
-    # the prompt's own token and the top `prompt_logprobs`).
-    prompt_logprobs: dict[int, list[Logprobs | None]] = field(default_factory=dict)
+    # request_id -> (k, entries): prompt log-probs of prompt tokens k, k+1, ...,
+    # from the positions computed this step (vLLM's format: None for prompt
+    # token 0, then {id: logprob} with the prompt's own token and the top
+    # `prompt_logprobs`).
+    prompt_logprobs: dict[int, tuple[int, list[Logprobs | None]]] = field(default_factory=dict)
 
 
 def load_or_check_model(
@@ -316,7 +317,8 @@ class ModelRunner:
             if r.sampling_params.prompt_logprobs is not None and c < r.num_prompt_tokens
         )
         host = self.prepare(plan, full)
-        if host.is_decode and self.graphs is not None and self.graphs.can_run(host.num_seqs):
+        graphed = host.is_decode and self.graphs is not None and self.graphs.can_run(host.num_seqs)
+        if graphed:
             logits = self.graphs.run(host, self._dirty_rows)
         else:
             hidden = self.model.forward(self.forward_batch(host), self.kv_caches)
@@ -329,6 +331,10 @@ class ModelRunner:
         done = [i for i, (r, end) in enumerate(zip(reqs, ends)) if end == r.num_tokens]
         sampled: list[int | None] = [None] * len(reqs)
         logprobs: list[Logprobs | None] = [None] * len(reqs)
+        if graphed and not done:
+            # Nothing to copy back, so nothing waits for the GPU; but the graph's
+            # pinned staging buffers are rewritten next step: wait for their copies.
+            torch.cuda.current_stream(self.device).synchronize()
         if done:
             if full or len(done) < len(reqs):  # pick each sampled request's last row
                 last_rows = _last_rows(host.cu_seqlens, full)
@@ -365,10 +371,10 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, logits: torch.Tensor, plan: SchedulerOutput, full: frozenset[int]
-    ) -> dict[int, list[Logprobs | None]]:
+    ) -> dict[int, tuple[int, list[Logprobs | None]]]:
         """Prompt log-probs of the prompt positions each `full` request computed:
         position p's logits give the log-prob of prompt token p + 1."""
-        result: dict[int, list[Logprobs | None]] = {}
+        result: dict[int, tuple[int, list[Logprobs | None]]] = {}
         row = 0
         for i, (req, c, n) in enumerate(
             zip(plan.scheduled, plan.num_computed_tokens, plan.num_new_tokens)
@@ -384,7 +390,7 @@ class ModelRunner:
                 target = torch.tensor(prompt[c + 1 : end + 1], device=logits.device)
                 lp = compute_logprobs(logits[row : row + end - c], k, target)
                 entries += _entries(lp, [k] * (end - c))
-            result[req.request_id] = entries
+            result[req.request_id] = (0 if c == 0 else c + 1, entries)
             row += n
         return result
 

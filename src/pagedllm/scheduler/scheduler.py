@@ -359,15 +359,16 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, counted: bool = True) -> None:
         """Take every page back; the request keeps its tokens and recomputes them later."""
         self.running.remove(request)
         self.block_manager.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
+        request.num_preemptions += 1  # (also tells the runner its block table is new)
         self.waiting.appendleft(request)
-        self.num_preemptions += 1
+        if counted:
+            self.num_preemptions += 1
 
     @staticmethod
     def _num_needed(request: Request) -> int:
@@ -426,7 +427,9 @@ class Scheduler:
             bm.forget_uncomputed(request, list(named))
         for request in plan.fresh_hits:
             if request.status is RequestStatus.RUNNING:
-                self._preempt(request)
+                self._preempt(request, counted=False)  # a retry, not a preemption
+        # The runner may not have seen them: hand them to the next plan again.
+        self._finished_ids[:0] = plan.finished_request_ids
 
     def _check_stop(self, request: Request) -> tuple[FinishReason | None, int | None]:
         """Token-level stops, after the newest token was appended (vLLM's rules:
