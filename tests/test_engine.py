@@ -11,14 +11,10 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model import load_model
-from tiny_models import hf_greedy, make_tiny_llama_dir
+from tiny_models import greedy, hf_greedy, make_tiny_llama_dir
 
 LENGTHS = [3, 17, 5, 31, 16, 1, 9, 40]  # ragged, across page boundaries
 MAX_NEW = [12, 20, 7, 16, 33, 5, 18, 10]
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

@@ -15,17 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from pagedllm.engine.llm_engine import EngineStalledError
 from pagedllm.kv.block_pool import BlockPool
 from pagedllm.model import load_model
 from pagedllm.tokenizer import Tokenizer
-from tiny_models import make_tiny_llama_dir
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
-
+from tiny_models import greedy, make_tiny_llama_dir
 
 PROMPTS = [[5, 9, 13, 2 + i, 7] * (1 + i % 3) for i in range(6)]
 MAX_NEW = [6, 9, 4, 12, 7, 5]

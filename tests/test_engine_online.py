@@ -17,14 +17,10 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model import load_model
-from tiny_models import make_tiny_llama_dir
+from tiny_models import greedy, make_tiny_llama_dir
 
 SEED_CONFIG = dict(admission="reserve", chunked_prefill=False, prefix_caching=False)
 MAX_NEW = [12, 20, 7, 16, 25, 5, 18, 10]
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

@@ -1051,6 +1051,14 @@ def test_empty_schedule() -> None:
 # ------------------------------------------------------ random state machine
 
 
+def bookkeeping_holds(s: Scheduler, accepted: list[Request]) -> None:
+    """The state machines' invariant after every rule."""
+    s.check_invariants()
+    for req in accepted:
+        assert req.num_output_tokens <= req.max_tokens
+        assert req.num_tokens <= s.config.max_model_len
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     """Random submissions, steps (with EOS and aborts) and finishes.
 
@@ -1190,10 +1198,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: hasattr(self, "s"))
     @invariant()
     def bookkeeping_holds(self) -> None:
-        self.s.check_invariants()
-        for req in self.accepted:
-            assert req.num_output_tokens <= req.max_tokens
-            assert req.num_tokens <= self.s.config.max_model_len
+        bookkeeping_holds(self.s, self.accepted)
 
     def teardown(self) -> None:
         if not hasattr(self, "s"):
@@ -1419,10 +1424,7 @@ class EngineV2Machine(RuleBasedStateMachine):
     @precondition(lambda self: hasattr(self, "s"))
     @invariant()
     def bookkeeping_holds(self) -> None:
-        self.s.check_invariants()
-        for req in self.accepted:
-            assert req.num_output_tokens <= req.max_tokens
-            assert req.num_tokens <= self.s.config.max_model_len
+        bookkeeping_holds(self.s, self.accepted)
 
     def teardown(self) -> None:
         if not hasattr(self, "s"):

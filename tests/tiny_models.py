@@ -59,6 +59,13 @@ def make_tiny_llama_dir(path: Path, seed: int = 0, **overrides: Any):
     return path, model
 
 
+def greedy(n: int, **kw: Any):
+    """SamplingParams for n greedy tokens, EOS ignored (the engine tests' default)."""
+    from pagedllm import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     """transformers' own greedy generate, EOS disabled."""
     with torch.no_grad():
