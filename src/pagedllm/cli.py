@@ -48,7 +48,7 @@ from pagedllm.engine_args import (
 from pagedllm.engine_config import EngineConfig
 from pagedllm.sampling_params import SamplingParams
 
-SUBCOMMANDS = ("tokenize", "detokenize", "bench")
+SUBCOMMANDS = ("tokenize", "detokenize", "bench", "serve")
 PROG = "pagedllm"
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 1, 2, 130, 141
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -104,6 +104,10 @@ def _subcommand(name: str) -> Callable[[list[str]], int]:
         from pagedllm.tokenizer.cli import detokenize_main
 
         return detokenize_main
+    if name == "serve":
+        from pagedllm.server.cli import serve_main
+
+        return serve_main
     from pagedllm.bench.cli import bench_main
 
     return bench_main

@@ -32,7 +32,7 @@ import operator
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +68,7 @@ class RequestState:
     text: str = ""  # text returned so far (stop strings removed)
     logprobs: list[Logprobs] | None = None
     prompt_logprobs: list[Logprobs | None] | None = None
+    on_output: Callable[[StepOutput], None] | None = None  # see add_request
 
 
 @dataclass
@@ -189,12 +190,15 @@ class LLMEngine:
         params: SamplingParams,
         stream: bool = False,
         incremental_text: bool = False,
+        on_output: Callable[[StepOutput], None] | None = None,
     ) -> Request:
         """Queue a request; raises RequestRejected (a ValueError) if it can never run.
 
         `stream`: its outputs also wait in an outbox for `stream(request)`.
-        `incremental_text` (implied by `stream`): each output carries the text
-        of its new tokens; otherwise the text is decoded once, at the end.
+        `incremental_text` (implied by `stream` and `on_output`): each output
+        carries the text of its new tokens; otherwise the text is decoded once,
+        at the end. `on_output`: called with each of its outputs, on the thread
+        that steps the engine (the HTTP server's way; keep it short).
 
         All or nothing: a rejected request is never queued and leaves no state
         behind, so it costs the others nothing. `params` is validated again
@@ -215,7 +219,8 @@ class LLMEngine:
                     f"request {rid}: stop strings need a tokenizer, and this model has none; "
                     f"use stop_token_ids",
                 )
-            state = self._new_state(req, stream, incremental_text or stream)
+            state = self._new_state(req, stream, incremental_text or stream or bool(on_output))
+            state.on_output = on_output
             with deferred_interrupts():
                 self.states[rid] = state
                 try:
@@ -276,12 +281,14 @@ class LLMEngine:
             if state is None or state.request is not req:
                 return
             box = self._outboxes.get(req.request_id)
-            if report or box is not None:
+            if report or box is not None or state.on_output is not None:
                 out = self._postprocess_safely(req, state, [])
                 if report:
                     self._pending.append(out)
                 if box is not None:
                     box.append(out)  # a stream always sees its end
+                if state.on_output is not None:
+                    state.on_output(out)
             self.states.pop(req.request_id, None)
 
     def has_unfinished(self) -> bool:
@@ -350,6 +357,8 @@ class LLMEngine:
             box = self._outboxes.get(req.request_id)
             if box is not None:
                 box.append(out)
+            if state.on_output is not None:
+                state.on_output(out)
             outputs.append(out)
         return outputs
 

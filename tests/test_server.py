@@ -1,0 +1,361 @@
+"""The HTTP server, end to end: a real uvicorn on a loopback port, the default
+model (SmolLM2-135M on the CPU), and the official `openai` client, unchanged.
+
+Oracles: the `LLM` API's greedy answer for the same prompt, and the
+concatenation of a stream against the non-streamed answer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from pagedllm.engine.llm_engine import LLMEngine  # noqa: E402
+from pagedllm.engine_config import EngineConfig  # noqa: E402
+from pagedllm.model import load_model  # noqa: E402
+from pagedllm.server.app import build_app  # noqa: E402
+from pagedllm.server.engine_thread import EngineThread  # noqa: E402
+
+MODEL = "smollm2-test"
+QUESTION = [{"role": "user", "content": "Name three colours."}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """uvicorn on a thread, serving one engine thread."""
+
+    def __init__(self, model, api_key: str | None = None, max_queued: int = 1024, **settings):
+        config = EngineConfig(kv_cache_mib=64, admission="optimistic", **settings)
+        self.engine = LLMEngine(config, model, log=lambda s: None)
+        self.thread = EngineThread(self.engine)
+        self.thread.start()
+        app = build_app(self.thread, MODEL, api_key=api_key, max_queued_requests=max_queued)
+        self.port = free_port()
+        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(cfg)
+        self._t = threading.Thread(target=self.server.run, daemon=True)
+        self._t.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, api_key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._t.join(10)
+        self.thread.stop()
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from pagedllm.resolve import default_model_path
+
+    try:
+        path = default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return load_model(path, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    s = Server(smollm2)
+    yield s
+    s.stop()
+
+
+class Reply:
+    """An HTTP reply as plain values (urllib: no HTTP client package needed)."""
+
+    def __init__(self, status: int, text: str) -> None:
+        self.status_code, self.text = status, text
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def call(method: str, url: str, body=None, raw: bytes | None = None, headers=None) -> Reply:
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    if data is not None:
+        req.add_header("content-type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return Reply(r.status, r.read().decode())
+    except urllib.error.HTTPError as e:
+        return Reply(e.code, e.read().decode())
+
+
+def get(url: str, **kw) -> Reply:
+    return call("GET", url, **kw)
+
+
+def post(url: str, body=None, **kw) -> Reply:
+    return call("POST", url, body, **kw)
+
+
+def pages_settle(server: Server) -> None:
+    """Every page free (or cached) within a few steps of the last request."""
+    bm = server.engine.block_manager
+    deadline = time.time() + 20
+    while bm.num_used_blocks or server.engine.scheduler.has_unfinished():
+        assert time.time() < deadline, f"{bm.num_used_blocks} pages still held"
+        time.sleep(0.05)
+    assert not any(bm.pool.ref_counts)
+
+
+def test_models_health_version(server):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert get(server.url + "/health").json() == {"status": "ok"}
+    assert "version" in get(server.url + "/version").json()
+
+
+def test_chat_equals_the_python_api_and_the_stream(server, smollm2):
+    client = server.client()
+    reply = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=16, temperature=0
+    )
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(model=smollm2, kv_cache_mib=16)
+    want = llm.chat(QUESTION, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)[0]
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == want.text
+    assert choice.finish_reason == want.finish_reason
+    assert reply.usage.completion_tokens == len(want.token_ids)
+    assert reply.usage.prompt_tokens == len(want.prompt_token_ids)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+    pages_settle(server)
+
+
+def test_completions_prompts_n_stop_logprobs(server):
+    client = server.client()
+    out = client.completions.create(
+        model=MODEL, prompt=["The capital of France is", "1, 2, 3,"], max_tokens=8, temperature=0
+    )
+    assert [c.index for c in out.choices] == [0, 1] and all(c.text for c in out.choices)
+    ids = client.completions.create(model=MODEL, prompt=[504, 3575, 282], max_tokens=4)
+    assert ids.usage.prompt_tokens == 3 and ids.usage.completion_tokens == 4
+    many = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=6, n=3, temperature=1.0, seed=5
+    )
+    assert sorted(c.index for c in many.choices) == [0, 1, 2]
+    stopped = client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[" 7"]
+    )
+    assert " 7" not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+    lp = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0, logprobs=2
+    )
+    logprobs = lp.choices[0].logprobs
+    assert len(logprobs.tokens) == 3 and all(v <= 0 for v in logprobs.token_logprobs)
+    chat_lp = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=3, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = chat_lp.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) >= 2 for c in content)
+    pages_settle(server)
+
+
+def test_concurrent_streams_all_finish(server):
+    client = server.client()
+
+    def one(i: int) -> int:
+        stream = client.completions.create(
+            model=MODEL,
+            prompt=f"Count to {i}:",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        text = ""
+        finish = None
+        for chunk in stream:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "length" and "\ufffd" not in text
+        return len(text)
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        lengths = list(pool.map(one, range(32)))
+    assert all(n > 0 for n in lengths)
+    pages_settle(server)
+
+
+def test_closed_streams_free_their_pages(server):
+    body = {
+        "model": MODEL,
+        "prompt": "Write a long story about a dragon.",
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    for _ in range(8):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"}
+        )
+        r = conn.getresponse()
+        for _ in range(4):
+            r.readline()
+        conn.close()  # the client goes away mid-stream
+    pages_settle(server)
+    text = get(server.url + "/metrics").text
+    assert "pagedllm_kv_pages_used 0.0" in text
+    assert get(server.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": QUESTION, "max_tokens": 0}, "max_tokens"),
+        ({"messages": QUESTION, "max_tokens": "ten"}, "max_tokens"),
+        ({"messages": QUESTION, "temperature": -1}, "temperature"),
+        ({"messages": QUESTION, "top_p": 0}, "top_p"),
+        ({"messages": QUESTION, "n": 1000}, "n"),
+        ({"messages": QUESTION, "top_logprobs": 50, "logprobs": True}, "top_logprobs"),
+        ({"messages": QUESTION, "presence_penalty": 5}, "presence_penalty"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ({"messages": QUESTION, "stop": 7}, "stop"),
+        ({"messages": QUESTION, "max_tokens": 10**9}, None),  # over the context
+    ],
+)
+def test_bad_chat_requests_are_400_in_openai_shape(server, body, param):
+    r = post(server.url + "/v1/chat/completions", {"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert error["param"].startswith(param)
+
+
+def test_malformed_json_unknown_model_and_the_client_errors(server):
+    r = post(server.url + "/v1/chat/completions", raw=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    client = server.client()
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-5", messages=QUESTION, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=10**6)
+    # A body over the limit is refused from its Content-Length, before it is read.
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("content-type", "application/json")
+    conn.putheader("content-length", str(5 << 20))
+    conn.endheaders()
+    big = conn.getresponse()
+    assert big.status == 413 and json.loads(big.read())["error"]["code"] == 413
+    conn.close()
+    # Unknown fields are ignored, as OpenAI does.
+    ok = post(
+        server.url + "/v1/completions",
+        {"prompt": "Hi", "max_tokens": 2, "frobnicate": True, "user": "me"},
+    )
+    assert ok.status_code == 200
+    assert get(server.url + "/health").status_code == 200
+
+
+def test_tokenize_and_detokenize(server):
+    ids = post(server.url + "/tokenize", {"prompt": "Hello, world!"}).json()["tokens"]
+    text = post(server.url + "/detokenize", {"tokens": ids}).json()["prompt"]
+    assert text.endswith("Hello, world!")
+    bad = post(server.url + "/detokenize", {"tokens": [10**9]})
+    assert bad.status_code == 400
+
+
+def test_the_api_key_guards_v1_only(smollm2):
+    s = Server(smollm2, api_key="sesame")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            s.client("wrong").models.list()
+        assert [m.id for m in s.client("sesame").models.list().data] == [MODEL]
+        assert get(s.url + "/health").status_code == 200
+        r = get(s.url + "/v1/models")
+        assert (
+            r.status_code == 401 and json.loads(r.text)["error"]["type"] == "authentication_error"
+        )
+    finally:
+        s.stop()
+
+
+def test_pagedllm_serve_starts_answers_and_stops_on_sigterm(tmp_path):
+    """The command itself: `python -m pagedllm serve` on a free port, then SIGTERM: exit 0."""
+    import signal
+    import subprocess
+    import sys
+
+    from pagedllm.resolve import default_model_path
+
+    try:
+        default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagedllm", "serve", "--port", str(port), "--kv-cache-mib", "32"]
+    cmd += ["--served-model-name", "smol", "--api-key", "k"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                if get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except urllib.error.URLError:
+                pass
+            assert proc.poll() is None and time.time() < deadline, "serve did not come up"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
+        out = client.completions.create(model="smol", prompt="Hello", max_tokens=3)
+        assert out.usage.completion_tokens == 3
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0, output
+
+
+def test_past_the_queue_limit_a_503_asks_to_retry(smollm2):
+    s = Server(smollm2, max_queued=2)
+    try:
+        client = s.client()
+        with pytest.raises(openai.InternalServerError, match="at capacity"):
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=3)
+        assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=2).choices
+    finally:
+        s.stop()
