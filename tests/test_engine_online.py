@@ -462,17 +462,6 @@ def test_streamed_text_equals_the_final_text(smollm2):
 # ------------------------------------------------------------ real model
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from pagedllm.resolve import default_model_path
-
-    try:
-        path = default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    return load_model(path, device="cpu", dtype="float32")
-
-
 def test_smollm2_chat_turns_reuse_the_prefix_and_answer_the_same(smollm2):
     system = {"role": "system", "content": "You are a concise assistant who explains systems."}
     convs = [

@@ -23,7 +23,6 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from pagedllm.engine.llm_engine import LLMEngine  # noqa: E402
 from pagedllm.engine_config import EngineConfig  # noqa: E402
-from pagedllm.model import load_model  # noqa: E402
 from pagedllm.server.app import build_app  # noqa: E402
 from pagedllm.server.engine_thread import EngineThread  # noqa: E402
 
@@ -64,17 +63,6 @@ class Server:
         self.server.should_exit = True
         self._t.join(10)
         self.thread.stop()
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    from pagedllm.resolve import default_model_path
-
-    try:
-        path = default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    return load_model(path, device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -359,3 +347,60 @@ def test_past_the_queue_limit_a_503_asks_to_retry(smollm2):
         assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=2).choices
     finally:
         s.stop()
+
+
+def test_cjk_streams_hold_split_characters_back(server):
+    """Chinese and Japanese characters span several byte-level tokens: a stream
+    never shows half of one (no U+FFFD) and adds up to the whole answer."""
+    client = server.client()
+    for content in (
+        "Translate 'good morning' into Chinese characters.",
+        "日本の首都はどこですか？",
+    ):
+        messages = [{"role": "user", "content": content}]
+        whole = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=24, temperature=0
+        )
+        text = whole.choices[0].message.content
+        assert any(ord(c) > 0x2E80 for c in text), text  # the model answers in CJK
+        pieces = [
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True
+            )
+            if c.choices
+        ]
+        assert "".join(pieces) == text
+        assert not any("\ufffd" in p for p in pieces)
+
+
+def test_a_cancellation_flood_frees_every_page(server):
+    """200 streaming requests at once; half are closed after a few chunks. The
+    others finish with their full length, and every page comes back."""
+    body = {"model": MODEL, "max_tokens": 12, "ignore_eos": True, "stream": True}
+
+    def one(i: int) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+        payload = json.dumps({**body, "prompt": f"Request {i}: tell me about page tables."})
+        conn.request("POST", "/v1/completions", payload, {"content-type": "application/json"})
+        r = conn.getresponse()
+        tokens = 0
+        finish = None
+        while True:
+            line = r.readline()
+            if not line:
+                break
+            if i % 2 and tokens >= 2:
+                break  # the client goes away
+            if line.startswith(b"data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                tokens += 1
+                finish = choice["finish_reason"] or finish
+        conn.close()
+        return -1 if i % 2 else (finish == "length")
+
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(one, range(200)))
+    assert all(r is True for r in results[0::2])  # every kept stream ran to its length
+    pages_settle(server)
+    assert "pagedllm_kv_pages_used 0.0" in get(server.url + "/metrics").text
