@@ -84,6 +84,11 @@ def build_app(
         msg = first.get("msg", "invalid request")
         return _error(400, f"{param}: {msg}" if param else msg, "invalid_request_error", param)
 
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, e: Exception) -> JSONResponse:
+        # Our bug, not the client's: still OpenAI's shape, and the server goes on.
+        return _error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return _error(e.status_code, str(e.detail), "invalid_request_error")
@@ -132,7 +137,7 @@ def build_app(
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         tok = _need_tokenizer()
         if body.messages is not None:
-            ids = tok.encode_chat(_messages(body.messages))
+            ids = _encode_chat(tok, body.messages)
         else:
             ids = tok.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
@@ -154,8 +159,7 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         _check_model(body.model)
-        tok = _need_tokenizer()
-        prompt_ids = tok.encode_chat(_messages(body.messages))
+        prompt_ids = _encode_chat(_need_tokenizer(), body.messages)
         return await _complete(request, body, [prompt_ids], chat=True)
 
     @app.post("/v1/completions")
@@ -448,6 +452,14 @@ def build_app(
         }
 
     return app
+
+
+def _encode_chat(tokenizer: Any, messages: list[Any]) -> list[int]:
+    """The chat template's token ids; a conversation it refuses is the client's error."""
+    try:
+        return tokenizer.encode_chat(_messages(messages))
+    except ValueError as e:
+        raise APIError(400, str(e), "invalid_request_error", "messages") from None
 
 
 def _messages(messages: list[Any]) -> list[dict[str, str]]:

@@ -128,7 +128,7 @@ class CompletionRequest(_Sampling):
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
-    messages: list[Message] | None = None
+    messages: list[Message] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
 
 
