@@ -219,8 +219,8 @@ class LLMEngine:
                     f"request {rid}: stop strings need a tokenizer, and this model has none; "
                     f"use stop_token_ids",
                 )
-            state = self._new_state(req, stream, incremental_text or stream or bool(on_output))
-            state.on_output = on_output
+            incremental = incremental_text or stream or on_output is not None
+            state = self._new_state(req, incremental, on_output)
             with deferred_interrupts():
                 self.states[rid] = state
                 try:
@@ -233,7 +233,12 @@ class LLMEngine:
                 self.num_requests += 1
             return req
 
-    def _new_state(self, req: Request, stream: bool, incremental: bool) -> RequestState:
+    def _new_state(
+        self,
+        req: Request,
+        incremental: bool,
+        on_output: Callable[[StepOutput], None] | None,
+    ) -> RequestState:
         params = req.sampling_params
         matcher = StopStringMatcher.from_params(params) if params.stop else None
         detok = None
@@ -245,6 +250,7 @@ class LLMEngine:
             matcher,
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
+            on_output=on_output,
         )
 
     def _detokenizer(self, req: Request) -> IncrementalDetokenizer:

@@ -431,8 +431,3 @@ def _last_rows(cu_seqlens: np.ndarray, all_rows: frozenset[int]) -> list[int]:
         r += int(cu_seqlens[i + 1] - cu_seqlens[i]) if i in all_rows else 1
         rows.append(r - 1)
     return rows
-
-
-def _token_at(req: Request, i: int) -> int:
-    n_prompt = req.num_prompt_tokens
-    return req.prompt_token_ids[i] if i < n_prompt else req.output_token_ids[i - n_prompt]

@@ -231,7 +231,7 @@ def build_app(
         # before any streaming starts.
         firsts = await _start_all(streams)
         if body.stream:
-            sse = _sse(request, body, rid, created, jobs, streams, firsts, chat)
+            sse = _sse(body, rid, created, jobs, streams, firsts, chat)
             return StreamingResponse(sse, media_type="text/event-stream")
         return await _collect(request, body, rid, created, jobs, streams, firsts, chat)
 
@@ -332,7 +332,7 @@ def build_app(
             "usage": usage,
         }
 
-    async def _sse(request, body, rid, created, jobs, streams, firsts, chat) -> AsyncIterator[str]:
+    async def _sse(body, rid, created, jobs, streams, firsts, chat) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:

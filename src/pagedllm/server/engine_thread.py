@@ -5,9 +5,9 @@ the hand-off of each request's outputs to the asyncio task that waits for them,
 and aborts asked for by handlers (a client went away). Does not own: HTTP
 (app.py), or anything the engine does.
 
-Why a thread and not the event loop: a step holds the GIL-free device work and
-the engine's lock for milliseconds (a forward pass on the CPU takes longer); on
-the event loop that would stall every connection. Handlers never block on the
+Why a thread and not the event loop: a step holds the engine's lock for
+milliseconds on a GPU (a forward pass on the CPU takes longer); on the event
+loop that would stall every connection. Handlers never block on the
 engine: adding a request runs in a worker thread (`asyncio.to_thread`), outputs
 come back through `loop.call_soon_threadsafe`, and an abort is a message the
 stepping thread acts on between steps.
