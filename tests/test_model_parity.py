@@ -160,6 +160,17 @@ def test_config_llama32_preset():
     assert c.head_dim == 64 and c.tie_word_embeddings
 
 
+def test_config_llama31_8b_preset():
+    """Meta's Llama-3.1-8B shape: untied LM head, RoPE scaled by 8, GQA 32/8."""
+    from pagedllm.presets import preset_dir
+
+    c = ModelConfig.from_hf_dir(preset_dir("llama-3.1-8b"))
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size) == (128256, 4096, 14336)
+    assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (32, 32, 8)
+    assert c.head_dim == 128 and not c.tie_word_embeddings
+    assert c.rope_scaling is not None and c.rope_scaling.factor == 8.0
+
+
 def test_missing_default_model_gives_install_command(monkeypatch):
     import importlib.util
 
