@@ -25,6 +25,7 @@ from pagedllm.bench.workloads import (
     reusable_prompt_share,
     ttft_workload,
 )
+from pagedllm.model_source import ModelSpec, load_model
 
 RECORD_FIELDS = {
     "engine",
@@ -323,7 +324,7 @@ def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path, c
         raise AssertionError("the model was loaded before the missing package was found")
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
-    monkeypatch.setattr("pagedllm.bench.ours.load_model", no_load)
+    monkeypatch.setattr("pagedllm.bench.cli.load_model", no_load)
     assert bench_main(["pages", "--plot", str(tmp_path / "p.png")]) == 1
     err = capsys.readouterr().err
     assert "pip install matplotlib" in err and "pagedllm[plot]" in err
@@ -344,7 +345,7 @@ def test_trace_pages_records_every_step(tiny_dir):
     from pagedllm.bench import ours
     from pagedllm.bench.workloads import warmup_workload
 
-    model = ours.load_model(ours.ModelSpec(str(tiny_dir), None, "auto"), "cpu", None)
+    model = load_model(ModelSpec(str(tiny_dir), None, "auto"), "cpu", None)
     settings = {"kv_cache_mib": 0.02, "block_size": 8, "prefix_caching": False}
     llm = ours.build_llm(model, settings, lambda s: None)
     w = draw_throughput(6, 32, 8, 512)
@@ -360,7 +361,7 @@ def test_repeated_runs_are_not_served_from_the_prefix_cache(tiny_dir):
     from pagedllm.bench import ours
     from pagedllm.bench.workloads import warmup_workload
 
-    model = ours.load_model(ours.ModelSpec(str(tiny_dir), None, "auto"), "cpu", None)
+    model = load_model(ModelSpec(str(tiny_dir), None, "auto"), "cpu", None)
     for run, w in (
         (ours.run_ttft, ttft_workload(64, 512)),
         (ours.run_latency, latency_workload(48, 4, 512)),

@@ -33,7 +33,7 @@ import pagedllm
 from pagedllm import cli, cpu_threads
 from pagedllm.bench import ours  # noqa: F401 - binds the real LLM before any test replaces it
 from pagedllm.bench.cli import bench_main
-from pagedllm.bench.tokenizer_bench import llama3_tokenizer_json
+from pagedllm.model_source import llama3_tokenizer_json
 from pagedllm.scheduler import RequestRejected
 
 SRC = Path(pagedllm.__file__).resolve().parents[1]
@@ -118,7 +118,7 @@ def no_load(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the model was loaded, but the arguments were bad")
 
-    monkeypatch.setattr("pagedllm.bench.ours.load_model", boom)
+    monkeypatch.setattr("pagedllm.bench.cli.load_model", boom)
     monkeypatch.setattr("pagedllm.engine.llm.LLM", boom)
 
 

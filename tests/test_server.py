@@ -10,8 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
-import socket
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -21,48 +19,9 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from pagedllm.engine.llm_engine import LLMEngine  # noqa: E402
-from pagedllm.engine_config import EngineConfig  # noqa: E402
-from pagedllm.server.app import build_app  # noqa: E402
-from pagedllm.server.engine_thread import EngineThread  # noqa: E402
+from server_helpers import MODEL, Server, free_port  # noqa: E402
 
-MODEL = "smollm2-test"
 QUESTION = [{"role": "user", "content": "Name three colours."}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """uvicorn on a thread, serving one engine thread."""
-
-    def __init__(self, model, api_key: str | None = None, max_queued: int = 1024, **settings):
-        config = EngineConfig(kv_cache_mib=64, admission="optimistic", **settings)
-        self.engine = LLMEngine(config, model, log=lambda s: None)
-        self.thread = EngineThread(self.engine)
-        self.thread.start()
-        app = build_app(self.thread, MODEL, api_key=api_key, max_queued_requests=max_queued)
-        self.port = free_port()
-        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(cfg)
-        self._t = threading.Thread(target=self.server.run, daemon=True)
-        self._t.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline, "the server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def client(self, api_key: str = "none") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self._t.join(10)
-        self.thread.stop()
 
 
 @pytest.fixture(scope="module")
@@ -180,29 +139,42 @@ def test_completions_prompts_n_stop_logprobs(server):
     pages_settle(server)
 
 
-def test_concurrent_streams_all_finish(server):
+def test_64_concurrent_streaming_clients_all_finish_with_their_lengths(server):
     client = server.client()
 
-    def one(i: int) -> int:
+    def one(i: int) -> tuple[int, int, str]:
+        max_tokens = 4 + i % 8
         stream = client.completions.create(
             model=MODEL,
             prompt=f"Count to {i}:",
-            max_tokens=8,
+            max_tokens=max_tokens,
             temperature=0,
             stream=True,
+            stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
-        text = ""
-        finish = None
+        text, finish, used = "", None, None
         for chunk in stream:
-            text += chunk.choices[0].text
-            finish = chunk.choices[0].finish_reason or finish
-        assert finish == "length" and "\ufffd" not in text
-        return len(text)
+            if chunk.usage is not None:
+                used = chunk.usage.completion_tokens
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+        assert finish == "length" and text and "\ufffd" not in text
+        return max_tokens, used, text
 
-    with concurrent.futures.ThreadPoolExecutor(32) as pool:
-        lengths = list(pool.map(one, range(32)))
-    assert all(n > 0 for n in lengths)
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(one, range(64)))
+    assert all(used == want for want, used, _ in results)
+    # The same prompt at temperature 0 gives the same text, batched or not.
+    alone = client.completions.create(
+        model=MODEL,
+        prompt="Count to 5:",
+        max_tokens=9,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert results[5][2] == alone.choices[0].text
     pages_settle(server)
 
 
@@ -286,6 +258,67 @@ def test_tokenize_and_detokenize(server):
     assert text.endswith("Hello, world!")
     bad = post(server.url + "/detokenize", {"tokens": [10**9]})
     assert bad.status_code == 400
+    # With messages: the chat template's ids, as the engine's tokenizer makes them.
+    reply = post(server.url + "/tokenize", {"messages": QUESTION}).json()
+    assert reply["tokens"] == server.engine.tokenizer.encode_chat(QUESTION)
+    assert reply["count"] == len(reply["tokens"])
+    assert reply["max_model_len"] == server.engine.max_model_len
+
+
+@pytest.mark.parametrize(
+    "stop",
+    [
+        [f"s{i}" for i in range(17)],  # more than 16 stop strings
+        ["x" * 257],  # a stop string over 256 characters
+        "x" * 257,
+        [""],  # an empty stop string would stop everywhere
+    ],
+)
+def test_stop_strings_are_bounded(server, stop):
+    r = post(server.url + "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stop": stop})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith("stop")
+    ok = post(
+        server.url + "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stop": ["y" * 256]}
+    )
+    assert ok.status_code == 200
+
+
+def test_access_log_one_line_per_request_and_prompts_only_when_asked(smollm2):
+    lines: list[str] = []
+    s = Server(smollm2, app_options={"access_log": lines.append})
+    try:
+        client = s.client()
+        secret = "The password is swordfish."
+        client.completions.create(model=MODEL, prompt=secret, max_tokens=3)
+        for _ in client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            max_tokens=4,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        ):
+            pass
+        post(s.url + "/v1/completions", {"prompt": "Hi", "max_tokens": 0})
+        deadline = time.time() + 10
+        while len(lines) < 3:
+            assert time.time() < deadline, lines
+            time.sleep(0.02)
+        plain, stream, bad = lines
+        assert '"POST /v1/completions" 200 in=' in plain and " out=3 " in plain
+        assert '"POST /v1/chat/completions" 200' in stream and " out=4 " in stream
+        assert stream.split()[-1].startswith("chatcmpl-")
+        assert '"POST /v1/completions" 400' in bad
+        assert not any("swordfish" in line for line in lines)
+    finally:
+        s.stop()
+    lines.clear()
+    s = Server(smollm2, app_options={"access_log": lines.append, "log_requests": True})
+    try:
+        s.client().completions.create(model=MODEL, prompt=secret, max_tokens=2)
+        assert any("swordfish" in line and line.startswith("cmpl-") for line in lines)
+    finally:
+        s.stop()
 
 
 def test_the_api_key_guards_v1_only(smollm2):
@@ -320,15 +353,7 @@ def test_pagedllm_serve_starts_answers_and_stops_on_sigterm(tmp_path):
     cmd += ["--served-model-name", "smol", "--api-key", "k"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except urllib.error.URLError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, "serve did not come up"
-            time.sleep(0.2)
+        _wait_healthy(proc, port)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
         out = client.completions.create(model="smol", prompt="Hello", max_tokens=3)
         assert out.usage.completion_tokens == 3
@@ -336,6 +361,69 @@ def test_pagedllm_serve_starts_answers_and_stops_on_sigterm(tmp_path):
         proc.send_signal(signal.SIGTERM)
         output = proc.communicate(timeout=30)[0]
     assert proc.returncode == 0, output
+    access = [line for line in output.splitlines() if "[access]" in line]
+    assert any('"POST /v1/completions" 200 in=' in line and " out=3 " in line for line in access)
+    assert "Hello" not in output  # no prompt text without --log-requests
+
+
+def test_serve_random_weights_of_a_models_shape(tmp_path):
+    """`--load-format dummy`: an HF directory's shape with random weights (what the
+    GPU load test runs with a preset); with no tokenizer it takes token ids."""
+    import subprocess
+    import sys
+
+    from tiny_models import make_tiny_llama_dir
+
+    model_dir, _ = make_tiny_llama_dir(tmp_path / "tiny")
+    for safetensors in model_dir.glob("*.safetensors"):
+        safetensors.unlink()  # dummy weights need the config only
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagedllm", "serve", "--port", str(port)]
+    cmd += ["--model", str(model_dir), "--load-format", "dummy", "--kv-cache-mib", "8"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_healthy(proc, port)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        out = client.completions.create(
+            model="tiny", prompt=[1, 2, 3], max_tokens=5, extra_body={"ignore_eos": True}
+        )
+        assert out.usage.completion_tokens == 5
+        with pytest.raises(openai.BadRequestError, match="token ids"):
+            client.completions.create(model="tiny", prompt="text", max_tokens=2)
+    finally:
+        proc.terminate()
+        output = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0, output
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--preset", "llama-3.2-1b"], "add --load-format dummy"),
+        (["--preset", "llama-9", "--load-format", "dummy"], "unknown preset"),
+        (["--preset", "llama-3.2-1b", "--model", "x", "--load-format", "dummy"], "not both"),
+        (["--load-format", "dummy"], "needs --preset NAME or --model HF_DIRECTORY"),
+    ],
+)
+def test_serve_model_source_usage_errors(capsys, argv, message):
+    from pagedllm.server.cli import serve_main
+
+    with pytest.raises(SystemExit) as e:
+        serve_main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def _wait_healthy(proc, port: int) -> None:
+    deadline = time.time() + 60
+    while True:
+        try:
+            if get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return
+        except urllib.error.URLError:
+            pass
+        assert proc.poll() is None and time.time() < deadline, "serve did not come up"
+        time.sleep(0.2)
 
 
 def test_past_the_queue_limit_a_503_asks_to_retry(smollm2):
@@ -349,29 +437,34 @@ def test_past_the_queue_limit_a_503_asks_to_retry(smollm2):
         s.stop()
 
 
-def test_cjk_streams_hold_split_characters_back(server):
-    """Chinese and Japanese characters span several byte-level tokens: a stream
-    never shows half of one (no U+FFFD) and adds up to the whole answer."""
+@pytest.mark.parametrize(
+    ("content", "lowest"),
+    [
+        ("Translate 'good morning' into Chinese characters.", 0x2E80),  # CJK
+        ("日本の首都はどこですか？", 0x2E80),
+        ("Reply with five emojis that describe summer.", 0x1F000),  # emoji: 4 bytes each
+        ("What do these emojis mean: 🐍🔥🚀?", 0x1F000),
+    ],
+)
+def test_cjk_and_emoji_streams_hold_split_characters_back(server, content, lowest):
+    """CJK characters and emoji span several byte-level tokens: a stream never
+    shows part of one (no U+FFFD) and adds up to the whole answer."""
     client = server.client()
-    for content in (
-        "Translate 'good morning' into Chinese characters.",
-        "日本の首都はどこですか？",
-    ):
-        messages = [{"role": "user", "content": content}]
-        whole = client.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=24, temperature=0
+    messages = [{"role": "user", "content": content}]
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0
+    )
+    text = whole.choices[0].message.content
+    assert any(ord(c) >= lowest for c in text), text  # the model answers in kind
+    pieces = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True
         )
-        text = whole.choices[0].message.content
-        assert any(ord(c) > 0x2E80 for c in text), text  # the model answers in CJK
-        pieces = [
-            c.choices[0].delta.content or ""
-            for c in client.chat.completions.create(
-                model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True
-            )
-            if c.choices
-        ]
-        assert "".join(pieces) == text
-        assert not any("\ufffd" in p for p in pieces)
+        if c.choices
+    ]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
 
 
 def test_a_cancellation_flood_frees_every_page(server):
@@ -404,3 +497,33 @@ def test_a_cancellation_flood_frees_every_page(server):
     assert all(r is True for r in results[0::2])  # every kept stream ran to its length
     pages_settle(server)
     assert "pagedllm_kv_pages_used 0.0" in get(server.url + "/metrics").text
+
+
+def test_a_new_request_starts_within_a_few_steps_under_load(server):
+    """Handlers hand new requests to the stepping thread through a queue: one
+    that waited for the engine's lock would starve while the thread steps
+    back to back (it takes the lock again the moment it lets go)."""
+    client = server.client()
+    long = concurrent.futures.ThreadPoolExecutor(1)
+    busy = long.submit(
+        client.completions.create,
+        model=MODEL,
+        prompt="Tell a long story.",
+        max_tokens=400,
+        extra_body={"ignore_eos": True},
+    )
+    engine = server.engine
+    deadline = time.time() + 30
+    while engine.scheduler.num_running == 0:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    for _ in range(3):
+        before = engine.runner.num_steps
+        stream = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, stream=True)
+        next(iter(stream))
+        waited = engine.runner.num_steps - before
+        stream.close()
+        assert waited <= 4, f"the first token came {waited} steps after the request"
+    assert busy.result().usage.completion_tokens == 400
+    long.shutdown()
+    pages_settle(server)

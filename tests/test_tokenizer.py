@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.bench.tokenizer_bench import llama3_tokenizer_json
+from pagedllm.model_source import llama3_tokenizer_json
 from pagedllm.resolve import default_model_path
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
 from pagedllm.tokenizer.bpe import BytePairEncoder

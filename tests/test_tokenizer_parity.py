@@ -23,8 +23,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from pagedllm.bench.tokenizer_bench import hf_reference, llama3_tokenizer_json
+from pagedllm.bench.tokenizer_bench import hf_reference
 from pagedllm.gguf_metadata import read_gguf_metadata
+from pagedllm.model_source import llama3_tokenizer_json
 from pagedllm.resolve import default_model_path
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
 from pagedllm.tokenizer.bytelevel import bytes_to_symbols

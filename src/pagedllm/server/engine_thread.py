@@ -7,10 +7,14 @@ and aborts asked for by handlers (a client went away). Does not own: HTTP
 
 Why a thread and not the event loop: a step holds the engine's lock for
 milliseconds on a GPU (a forward pass on the CPU takes longer); on the event
-loop that would stall every connection. Handlers never block on the
-engine: adding a request runs in a worker thread (`asyncio.to_thread`), outputs
-come back through `loop.call_soon_threadsafe`, and an abort is a message the
-stepping thread acts on between steps.
+loop that would stall every connection. Handlers never block on the engine
+and never take its lock: a new request and an abort are messages in queues
+that the stepping thread acts on between steps (a handler that waited for the
+lock would starve: the stepping thread takes it again the moment it lets go,
+step after step). A step's outputs go back to the event loop in one
+`loop.call_soon_threadsafe` per step, not one per token, and a handler that
+finds several outputs of its request waiting takes them as one (at
+saturation a streamed chunk then carries several tokens, as in vLLM).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import queue
 import threading
 import traceback
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 from pagedllm.engine.llm_engine import LLMEngine, StepOutput
 from pagedllm.sampling_params import SamplingParams
@@ -29,10 +34,24 @@ class EngineDead(RuntimeError):
     """The stepping thread stopped after an error: the server cannot answer."""
 
 
+@dataclass
+class _NewRequest:
+    """A handler's request, waiting for the stepping thread to add it."""
+
+    prompt_token_ids: Sequence[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue[StepOutput]
+    added: asyncio.Future  # -> the Request, or the exception add_request raised
+
+
 class EngineThread:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._aborts: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._new: queue.SimpleQueue[_NewRequest] = queue.SimpleQueue()
+        # This step's outputs, per event loop: handed over in one call after the step.
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput]]] = {}
         self._work = threading.Event()  # set when there may be something to step
         self._stop = threading.Event()
         self.error: str | None = None  # why the thread died, if it did
@@ -63,19 +82,14 @@ class EngineThread:
         if not self.alive:
             raise EngineDead(self.error or "the engine thread is not running")
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
-
-        def deliver(out: StepOutput) -> None:  # on the stepping thread
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
-
-        req = await asyncio.to_thread(
-            self.engine.add_request, prompt_token_ids, params, on_output=deliver
-        )
+        new = _NewRequest(prompt_token_ids, params, loop, asyncio.Queue(), loop.create_future())
+        self._new.put(new)
         self._work.set()
+        req = await self._added(new)
         finished = False
         try:
             while not finished:
-                out = await outputs.get()
+                out = _merge([await new.outputs.get(), *_drain(new.outputs)])
                 finished = out.finished
                 yield out
         finally:
@@ -83,23 +97,78 @@ class EngineThread:
                 self._aborts.put(req.request_id)
                 self._work.set()
 
+    async def _added(self, new: _NewRequest):
+        """The Request once the stepping thread has added it (or its refusal)."""
+        while not new.added.done():
+            # The thread resolves it between steps; if it died meanwhile, nobody will.
+            await asyncio.wait({new.added}, timeout=1.0)
+            if not new.added.done() and not self._thread.is_alive():
+                raise EngineDead(self.error or "the engine thread is not running")
+        return new.added.result()
+
     # ------------------------------------------------------------ the thread
     def _run(self) -> None:
         engine = self.engine
         try:
             while not self._stop.is_set():
                 self._take_aborts()
+                self._take_new()
+                self._flush()  # an abort's final output
                 if not engine.has_unfinished():
                     self._work.wait(0.05)
                     self._work.clear()
                     continue
                 engine.step()
+                self._flush()
         except BaseException as e:  # noqa: BLE001 - reported through /health
             self.error = f"{type(e).__name__}: {e}"
             traceback.print_exc()
         finally:
-            # Every waiting handler gets a final output (finish_reason "abort").
+            # Every waiting handler gets a final output (finish_reason "abort"),
+            # and every request not yet added its refusal.
             self._abort_all()
+            self._flush()
+            self._refuse_new()
+
+    def _take_new(self) -> None:
+        while True:
+            try:
+                new = self._new.get_nowait()
+            except queue.Empty:
+                return
+            if new.loop.is_closed():
+                continue
+
+            def deliver(out: StepOutput, outputs=new.outputs, loop=new.loop) -> None:
+                self._outbox.setdefault(loop, []).append((outputs, out))
+
+            try:
+                req = self.engine.add_request(new.prompt_token_ids, new.params, on_output=deliver)
+            except Exception as e:  # noqa: BLE001 - the handler raises it (RequestRejected: a 400)
+                new.loop.call_soon_threadsafe(_resolve, new.added, None, e)
+            else:
+                new.loop.call_soon_threadsafe(_resolve, new.added, req, None)
+
+    def _flush(self) -> None:
+        """Hand this step's outputs to their event loops, one call per loop."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop closed: nobody is waiting
+                pass
+
+    def _refuse_new(self) -> None:
+        dead = EngineDead(self.error or "the engine thread stopped")
+        while True:
+            try:
+                new = self._new.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                new.loop.call_soon_threadsafe(_resolve, new.added, None, dead)
+            except RuntimeError:
+                pass
 
     def _take_aborts(self) -> None:
         while True:
@@ -115,3 +184,39 @@ class EngineThread:
                 self.engine.abort(state.request, report=False)
             except Exception:  # noqa: BLE001 - shutting down: free what can be freed
                 pass
+
+
+def _resolve(future: asyncio.Future, result, exception: BaseException | None) -> None:
+    if future.done():  # the handler gave up (its client went away)
+        return
+    if exception is not None:
+        future.set_exception(exception)
+    else:
+        future.set_result(result)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:
+    for outputs, out in items:
+        outputs.put_nowait(out)
+
+
+def _drain(outputs: asyncio.Queue[StepOutput]) -> list[StepOutput]:
+    """The outputs already waiting (a handler that fell behind takes them at once)."""
+    taken = []
+    while not outputs.empty():
+        taken.append(outputs.get_nowait())
+    return taken
+
+
+def _merge(outs: list[StepOutput]) -> StepOutput:
+    """Consecutive outputs of one request as one: their tokens and text joined."""
+    if len(outs) == 1:
+        return outs[0]
+    last = outs[-1]
+    return StepOutput(
+        request=last.request,
+        new_token_ids=[t for o in outs for t in o.new_token_ids],
+        new_text="".join(o.new_text for o in outs),
+        finished=last.finished,
+        state=last.state,
+    )

@@ -46,7 +46,7 @@ class StreamOptions(_Body):
 
 
 Stop = (
-    str
+    Annotated[str, Field(max_length=MAX_STOP_LENGTH)]
     | Annotated[
         list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]],
         Field(max_length=MAX_STOP_STRINGS),

@@ -1,0 +1,288 @@
+"""`pagedllm bench serve`, the HTTP load generator: against a real pagedllm
+server (uvicorn on a loopback port, SmolLM2-135M on the CPU), and its HTTP and
+SSE reading against tiny servers written here that frame a body awkwardly.
+
+Oracles: the draw's sum of max_tokens (every request makes exactly that many
+tokens, EOS ignored); numpy.percentile for the percentiles; the events a
+server sent, for what the reader gets back however the bytes were split.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.server
+import json
+import random
+import threading
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+pytest.importorskip("uvicorn")
+
+from pagedllm.bench import serve_bench  # noqa: E402
+from pagedllm.bench.cli import bench_main  # noqa: E402
+from pagedllm.bench.workloads import draw_throughput  # noqa: E402
+from server_helpers import MODEL, Server, free_port  # noqa: E402
+
+PROG_ERROR = "pagedllm bench serve: error:"
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    s = Server(smollm2)
+    yield s
+    s.stop()
+
+
+# ---------------------------------------------------------------- against pagedllm serve
+def test_runs_the_draw_at_each_rate(server, capsys, tmp_path):
+    path = tmp_path / "serve.json"
+    argv = ["--base-url", server.url, "--num-requests", "6", "--max-prompt-len", "32"]
+    argv += ["--max-output-len", "8", "--request-rate", "inf,40", "--max-concurrency", "4"]
+    assert bench_main(["serve", *argv, "--json", str(path)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    record = json.loads(out[-1])
+    assert json.loads(path.read_text()) == record
+    assert record["bench"] == "serve" and record["model"] == MODEL
+    assert record["base_url"] == server.url
+    work = draw_throughput(6, 32, 8)
+    assert record["workload"]["max_tokens_sum"] == sum(work.max_tokens)
+    assert [run["request_rate"] for run in record["runs"]] == ["inf", 40.0]
+    for run in record["runs"]:
+        assert run["completed"] == 6 and run["failed"] == 0 and run["first_error"] is None
+        assert run["output_tokens"] == sum(work.max_tokens)  # exact: EOS is ignored
+        assert run["prompt_tokens"] == work.prompt_tokens
+        assert run["max_concurrency"] == 4 and 1 <= run["max_concurrency_observed"] <= 4
+        assert run["duration_s"] > 0
+        assert run["request_throughput"] == pytest.approx(6 / run["duration_s"], rel=1e-3)
+        total = (run["prompt_tokens"] + run["output_tokens"]) / run["duration_s"]
+        assert run["total_tokens_per_s"] == pytest.approx(total, rel=1e-3)
+        for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            s = run[metric]
+            assert 0 <= s["p50"] <= s["p90"] <= s["p99"], (metric, s)
+        for key in ("mean", "p50", "p90", "p99"):  # each request's TTFT <= its E2E
+            assert run["ttft_ms"][key] <= run["e2e_ms"][key]
+    # The table: a header, then one row per rate, in order.
+    header = next(i for i, line in enumerate(out) if "TTFT p50" in line)
+    rows = out[header + 1 : -1]
+    assert [row.split()[0] for row in rows] == ["inf", "40"]
+
+
+def test_a_wrong_model_name_fails_at_the_warm_up(server, capsys):
+    code = serve_bench.main(["--base-url", server.url, "--model", "nope", "--num-requests", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err[-1].startswith(f"{PROG_ERROR} the warm-up request") and "HTTP 404" in err[-1]
+
+
+# ---------------------------------------------------------------- errors
+def test_an_unreachable_server_is_one_line_and_exit_1(capsys):
+    url = f"http://127.0.0.1:{free_port()}"  # nobody listens there
+    assert bench_main(["serve", "--base-url", url]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(PROG_ERROR)
+    assert f"{url}/v1/models" in err[0] and "--base-url" in err[0]
+
+
+def test_a_refusing_server_is_one_line_and_exit_1(capsys):
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"error": {"message": "a missing or wrong API key"}}).encode()
+            self.send_response(401)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Refuse)
+    t = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
+    t.start()
+    try:
+        code = serve_bench.main(["--base-url", f"http://127.0.0.1:{httpd.server_port}"])
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and err[0].startswith(PROG_ERROR)
+    assert "HTTP 401: a missing or wrong API key" in err[0] and "--api-key" in err[0]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--request-rate", "0"],
+        ["--request-rate", "1,fast"],
+        ["--request-rate", "-inf"],
+        ["--request-rate", "nan"],
+        ["--base-url", "ftp://example.com"],
+        ["--max-concurrency", "0"],
+    ],
+)
+def test_bad_options_are_usage_errors(argv, capsys):
+    assert bench_main(["serve", *argv]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(PROG_ERROR)
+
+
+def test_base_urls():
+    e = serve_bench.Endpoint.parse("https://example.com/v1/")  # the openai client's form
+    assert (e.port, e.prefix, e.url("/v1/models")) == (443, "", "https://example.com/v1/models")
+    e = serve_bench.Endpoint.parse("http://[::1]:8080/api")
+    assert (e.host, e.port, e.url("/v1/models")) == ("::1", 8080, "http://[::1]:8080/api/v1/models")
+
+
+def test_the_api_key_stays_out_of_the_record():
+    argv = ["--api-key", "s3cret", "--api=x", "--model", "m"]
+    assert serve_bench._quoted(argv) == "--api-key '***' '--api=***' --model m"
+
+
+# ---------------------------------------------------------------- statistics
+@pytest.mark.parametrize(
+    "values",
+    [[5.0], [1.0, 2.0], [3.0, 1.0, 2.0, 10.0], [random.Random(1).random() for _ in range(101)]],
+)
+def test_percentile_matches_numpy(values):
+    for q in (0, 1, 33.3, 50, 90, 99, 100):
+        assert serve_bench.percentile(values, q) == pytest.approx(np.percentile(values, q))
+
+
+def test_arrivals_are_poisson_at_the_rate():
+    times = serve_bench.arrival_times(2000, 50.0, seed=0)
+    assert times[0] == 0 and times == sorted(times)
+    assert times == serve_bench.arrival_times(2000, 50.0, seed=0)  # seeded
+    assert 2000 / times[-1] == pytest.approx(50, rel=0.1)
+    assert serve_bench.arrival_times(3, float("inf"), seed=0) == [0.0, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------- HTTP and SSE reading
+TEXTS = ["héllo", " 日本語", "!", "€"]
+EVENTS = [json.dumps({"choices": [{"index": 0, "text": t}]}, ensure_ascii=False) for t in TEXTS]
+EVENTS.append(json.dumps({"choices": [], "usage": {"completion_tokens": 4}}))
+SSE_BODY = (
+    b": a comment, then an event with CRLF line ends\r\n\r\n"
+    + f"data: {EVENTS[0]}\r\n\r\n".encode()
+    + "".join(f"data: {e}\n\n" for e in EVENTS[1:]).encode()
+    + b"data: [DONE]\n\n"
+)
+
+
+def _cuts(body: bytes) -> list[int]:
+    """Places to split the body: inside each multi-byte character, inside
+    "data:", and between the two newlines that end an event."""
+    cuts = set()
+    for ch in "é日語€":
+        at = body.index(ch.encode())
+        cuts.add(at + 1)
+    cuts.add(body.index(b"data:", 60) + 3)
+    cuts.add(body.index(b"\n\n", 60) + 1)
+    return sorted(cuts)
+
+
+def _split(data: bytes, cuts: list[int]) -> list[bytes]:
+    edges = [0, *cuts, len(data)]
+    return [data[a:b] for a, b in zip(edges, edges[1:])]
+
+
+def _framed(framing: str, body: bytes) -> list[bytes]:
+    """The response's bytes, as the pieces the server writes one at a time."""
+    head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+    if framing == "chunked":
+        wire = b""
+        for i, piece in enumerate(_split(body, _cuts(body))):
+            ext = ";name=value" if i == 1 else ""
+            wire += f"{len(piece):x}{ext}\r\n".encode() + piece + b"\r\n"
+        wire += b"0\r\n\r\n"
+        wire = (head + "Transfer-Encoding: chunked\r\n\r\n").encode() + wire
+        # Also cut the wire inside the first chunk-size line, the data and the last chunk.
+        n = len(head) + len("Transfer-Encoding: chunked\r\n\r\n")
+        return _split(wire, [n + 1, n + 40, len(wire) - 3])
+    if framing == "length":
+        wire = (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    else:  # up to EOF
+        wire = (head + "Connection: close\r\n\r\n").encode() + body
+    return _split(wire, [10, *[len(wire) - len(body) + c for c in _cuts(body)]])
+
+
+@contextlib.asynccontextmanager
+async def _serving(pieces: list[bytes]) -> AsyncIterator[int]:
+    """A server on a free port that answers every request with `pieces`, one write
+    each; yields the port, and waits for its answers to end before closing."""
+    answers = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        answers.append(asyncio.current_task())
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = [h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")]
+            if length:
+                await reader.readexactly(int(length[0].split(b":")[1]))
+            for piece in pieces:
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.005)  # so the client reads each piece on its own
+        except ConnectionError:
+            pass  # the client hung up once it had [DONE]
+        finally:
+            writer.close()
+
+    srv = await asyncio.start_server(answer, "127.0.0.1", 0)
+    async with srv:
+        yield srv.sockets[0].getsockname()[1]
+        await asyncio.gather(*answers)
+
+
+def _client(port: int) -> serve_bench.Client:
+    endpoint = serve_bench.Endpoint.parse(f"http://127.0.0.1:{port}")
+    return serve_bench.Client(endpoint, MODEL, {}, ignore_eos=True, timeout_s=10)
+
+
+@pytest.mark.parametrize("framing", ["chunked", "length", "eof"])
+def test_events_come_out_whole_however_the_body_is_split(framing):
+    async def go() -> tuple[list[str], serve_bench.RequestResult]:
+        async with _serving(_framed(framing, SSE_BODY)) as port:
+            client = _client(port)
+            response = await serve_bench.http_request(client.endpoint, "GET", "/", {})
+            events = [data async for _, data in serve_bench.sse_events(response.chunks())]
+            response.close()
+            result = await serve_bench.send_completion(client, [1, 2, 3], 4)
+        return events, result
+
+    events, result = asyncio.run(go())
+    assert events == [*EVENTS, "[DONE]"]
+    assert [serve_bench.parse_event(e)[0] for e in events[:4]] == TEXTS
+    assert result.ok, result.error
+    assert result.output_tokens == 4 and result.ttft is not None and len(result.itl) == 3
+    assert 0 < result.ttft <= result.e2e and result.tpot == pytest.approx(
+        (result.e2e - result.ttft) / 3
+    )
+
+
+@pytest.mark.parametrize(
+    "body, why",
+    [
+        (b"data: {not json\n\ndata: [DONE]\n\n", "not JSON"),
+        (f"data: {EVENTS[0]}\n\n".encode(), "without data: [DONE]"),
+        (b'data: {"error": {"message": "engine died"}}\n\n', "engine died"),
+    ],
+)
+def test_a_broken_stream_is_a_failed_request(body, why):
+    async def go() -> serve_bench.RequestResult:
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+        async with _serving([head + body]) as port:
+            return await serve_bench.send_completion(_client(port), [1], 1)
+
+    result = asyncio.run(go())
+    assert not result.ok and why in result.error
+
+
+def test_the_sse_reader_byte_by_byte_equals_all_at_once():
+    whole = serve_bench.SSEReader().feed(SSE_BODY)
+    reader = serve_bench.SSEReader()
+    one_by_one = [e for i in range(len(SSE_BODY)) for e in reader.feed(SSE_BODY[i : i + 1])]
+    assert whole == one_by_one == [*EVENTS, "[DONE]"]
+    last = serve_bench.SSEReader()  # a last event without its blank line still counts
+    assert last.feed(b"data: a\ndata: b") == [] and last.close() == ["a\nb"]
