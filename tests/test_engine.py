@@ -180,3 +180,16 @@ def test_stop_strings_without_a_tokenizer_are_refused(tiny):
     assert llm.tokenizer is None
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate([[5, 6]], SamplingParams(max_tokens=4, stop=["x"]))
+
+
+def test_prefill_graph_buckets_pad_little():
+    """Token buckets of the single-sequence prefill graphs: sorted, capped by
+    the step budget, and never more than 25 % padding above 256 tokens."""
+    from pagedllm.runner.cuda_graphs import prefill_buckets
+
+    buckets = prefill_buckets(8192)
+    assert buckets == sorted(set(buckets)) and buckets[0] == 16 and buckets[-1] == 2048
+    for n in range(1, 2049):
+        b = next(x for x in buckets if x >= n)
+        assert b - n < 16 if n <= 256 else b <= 1.25 * n
+    assert prefill_buckets(100)[-1] == 96 and prefill_buckets(8) == []

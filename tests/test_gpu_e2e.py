@@ -226,3 +226,43 @@ def test_graph_steps_that_sample_nothing_do_not_race_the_next_step():
 
     graphed.engine.runner.execute = lagging
     assert graphed.generate([prompt], params)[0].token_ids == want
+
+
+def test_single_sequence_prefill_graphs_equal_eager_fp32():
+    """Prefill steps of one sequence replay a graph padded to a token bucket:
+    whole prompts at and around bucket edges, chunks after a computed part
+    (a small step budget), and a prompt whose prefix comes from the cache.
+    Greedy tokens and first-token log-probs equal the eager path's."""
+    from pagedllm import LLM, SamplingParams
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf, cfg = preset_hf_model(torch.float32, seed=3, num_layers=2, spread=True)
+    ours = ours_from_hf(hf, cfg, torch.float32)
+    del hf
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 128000, (n,), generator=g).tolist() for n in (1, 15, 16, 17, 250)]
+    prompts += [prompts[-1][:200] + torch.randint(0, 128000, (90,), generator=g).tolist()]
+    prompts += [torch.randint(0, 128000, (n,), generator=g).tolist() for n in (600, 1500)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+
+    def run(**settings):
+        llm = LLM(model=ours, kv_cache_mib=512, max_model_len=2048, max_num_seqs=4, **settings)
+        replays = []
+        graphs = llm.engine.runner.prefill_graphs
+        if graphs is not None:
+            real = graphs.run
+            graphs.run = lambda host: replays.append(len(host.input_ids)) or real(host)
+        outs = [llm.generate([p], params)[0] for p in prompts]  # one sequence per step
+        return outs, replays
+
+    eager, _ = run(cuda_graphs=False)
+    for settings in ({}, {"max_num_batched_tokens": 128}):
+        graphed, replays = run(**settings)
+        # Every prefill step went through a graph (a 1-token prompt is decode-shaped).
+        assert len(replays) >= len(prompts) - 1, replays
+        for i, (a, b) in enumerate(zip(graphed, eager)):
+            assert a.token_ids == b.token_ids, (i, settings)
+            for la, lb in zip(a.logprobs, b.logprobs):
+                assert la.keys() == lb.keys(), (i, settings)
+                diff = max(abs(la[k] - lb[k]) for k in la)
+                assert diff < 1e-3, (i, settings, diff)

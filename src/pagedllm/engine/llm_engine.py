@@ -150,6 +150,7 @@ class LLMEngine:
             config.max_num_seqs,
             use_cuda_graphs=config.cuda_graphs_wanted(),
             ops_mode=config.ops_mode(),
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.block_manager = BlockManager(
             kv_spec.num_blocks, kv_spec.block_size, enable_caching=config.prefix_caching

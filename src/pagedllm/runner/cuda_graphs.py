@@ -1,12 +1,16 @@
-"""CUDA graphs for decode steps, one per batch-size bucket, captured at start-up.
+"""CUDA graphs, captured at start-up: decode steps, one per batch-size bucket,
+and single-sequence prefill steps, one per token-count bucket.
 
 Owns: the static input buffers the graphs read, their capture, and filling
-them each step. Does not own: the model (captured as it is) or prefill
-(which runs eagerly: its shapes vary too much to graph).
+them each step. Does not own: the model (captured as it is), or steps of
+another shape (prefill of several sequences, mixed steps: they run eagerly).
 
 Why: a decode step of a 1B model launches ~150 kernels; on this machine's
 host, launching them one by one costs more than the GPU takes to run them at
-small batch. A graph replays them all with one launch.
+small batch. A graph replays them all with one launch. The same holds for
+one prompt of up to a few thousand tokens (the time to first token of a
+lone request): eager, the host's launches (~30 us each for a Triton kernel)
+take longer than the GPU's work.
 
 Invariants: a batch of B sequences runs in the smallest bucket >= B; the
 padding rows have seq_len 0 and slot -1, which the Triton kernels treat as
@@ -137,3 +141,121 @@ class DecodeGraphs:
             dirty_rows.difference_update(send)
         self.graphs[bucket].replay()
         return self.outputs[bucket][:b]
+
+
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """Token counts of the prefill graphs: every 16 up to 256, every 64 up to
+    1,024, every 256 up to 2,048 and `max_tokens` (at most 25 % padding above
+    256). Longer prompts keep the GPU busy longer than their launches take."""
+    sizes = list(range(16, 257, 16)) + list(range(320, 1025, 64)) + list(range(1280, 2049, 256))
+    return [t for t in sizes if t <= max_tokens]
+
+
+class PrefillGraphs:
+    """One graph per token-count bucket for a step that prefills one sequence
+    (a whole prompt, or a chunk of one after its cached or computed part).
+
+    The batch is padded to the bucket: padding tokens have id 0, position 0
+    and slot -1 (nothing stored); the sequence's own length comes from
+    `cu_seqlens` and `seq_lens`, which the attention kernel reads on the
+    device, so query blocks past it exit at once. Only the last real token's
+    row reaches the LM head.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_caches: list[KVCache],
+        max_tokens: int,
+        host_tables: torch.Tensor,
+    ) -> None:
+        dev = model.device
+        self.kv_caches = kv_caches
+        self.host_tables = host_tables
+        self.buckets = prefill_buckets(max_tokens)
+        self.max_tokens = self.buckets[-1] if self.buckets else 0
+        width = host_tables.shape[1]
+        t = self.max_tokens
+        self.block_tables = torch.zeros((1, width), dtype=torch.int32, device=dev)
+        # Pinned host staging: [ids | positions | slots] as int64, then
+        # [cu_seqlens (2) | seq_len | last row] as int64 too (one copy each).
+        self.h_long = torch.zeros((3, t), dtype=torch.long).pin_memory()
+        self.h_meta = torch.zeros(4, dtype=torch.long).pin_memory()
+        self.d_long = torch.zeros((3, t), dtype=torch.long, device=dev)
+        self.d_meta = torch.zeros(4, dtype=torch.long, device=dev)
+        self.cu_seqlens = torch.zeros(2, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        if self.buckets:
+            self._capture(model)
+
+    def _batch(self, t: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.d_long[0, :t],
+            positions=self.d_long[1, :t],
+            slot_mapping=self.d_long[2, :t],
+            block_tables=self.block_tables,
+            seq_lens=self.seq_lens,
+            cu_seqlens_q=self.cu_seqlens,
+            logits_indices=self.d_meta[3:4],
+            is_decode=False,
+            max_q_len=t,  # the grid covers the bucket; blocks past the sequence exit
+            max_seq_len=t,
+        )
+
+    def _forward(self, model, t: int) -> torch.Tensor:
+        # The int32 views the kernels read are filled inside the graph from the
+        # one int64 metadata copy.
+        self.cu_seqlens.copy_(self.d_meta[0:2])
+        self.seq_lens.copy_(self.d_meta[2:3])
+        return model.compute_logits(model.forward(self._batch(t), self.kv_caches))
+
+    @torch.inference_mode()
+    def _capture(self, model) -> None:
+        self.d_long[2].fill_(-1)  # store nothing while capturing
+        self.d_meta.copy_(torch.tensor([0, 1, 1, 0]))
+        for t in self.buckets:  # warm up (Triton compiles on first launch)
+            self._forward(model, t)
+        torch.cuda.synchronize()
+        pool = None
+        for t in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._forward(model, t)
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[t] = graph
+            self.outputs[t] = out
+        torch.cuda.synchronize()
+
+    def can_run(self, host: HostBatch) -> bool:
+        """A prefill step of one sequence that fits a bucket and wants one logits row."""
+        return (
+            not host.is_decode
+            and host.num_seqs == 1
+            and len(host.logits_indices) == 1
+            and len(host.input_ids) <= self.max_tokens
+        )
+
+    def run(self, host: HostBatch) -> torch.Tensor:
+        """Copy the step's host arrays into the graph's buffers and replay; (1, V) logits.
+
+        As for the decode graphs, the pinned staging is rewritten next step
+        without waiting: the engine reads the sampled ids (a sync) every step."""
+        n = len(host.input_ids)
+        t = next(x for x in self.buckets if x >= n)
+        h = self.h_long.numpy()
+        h[0, :n] = host.input_ids
+        h[1, :n] = host.positions
+        h[2, :n] = host.slot_mapping
+        h[0:2, n:t] = 0
+        h[2, n:t] = -1
+        self.h_meta.numpy()[:] = (0, n, int(host.seq_lens[0]), n - 1)
+        # Whole buffers: a contiguous pinned source keeps the copies asynchronous.
+        self.d_long.copy_(self.h_long, non_blocking=True)
+        self.d_meta.copy_(self.h_meta, non_blocking=True)
+        width = host.block_tables.shape[1]
+        self.block_tables[:, :width].copy_(self.host_tables[0:1, :width], non_blocking=True)
+        self.graphs[t].replay()
+        return self.outputs[t]

@@ -29,7 +29,7 @@ from pagedllm.ops import implementation_name
 from pagedllm.request import Request
 from pagedllm.resolve import resolve_model_path
 from pagedllm.runner.batch import HostBatch
-from pagedllm.runner.cuda_graphs import DecodeGraphs
+from pagedllm.runner.cuda_graphs import DecodeGraphs, PrefillGraphs
 from pagedllm.sampling import Sampler, SamplingMetadata, compute_logprobs, make_generator
 from pagedllm.scheduler import SchedulerOutput
 
@@ -149,6 +149,7 @@ class ModelRunner:
         max_num_seqs: int,
         use_cuda_graphs: bool = True,
         ops_mode: str | None = None,
+        max_num_batched_tokens: int = 8192,
     ) -> None:
         self.model = model
         model.ops_mode = ops_mode
@@ -190,6 +191,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self._generators: dict[int, torch.Generator] = {}  # seeded requests only
         self.graphs = None
+        self.prefill_graphs = None
         # Graphs need the Triton kernels: their padding rows (slot -1) are no-ops
         # there, while the reference store would wrap -1 to the pool's last slot.
         if (
@@ -199,6 +201,12 @@ class ModelRunner:
         ):
             self.graphs = DecodeGraphs(
                 model, self.kv_caches, max_num_seqs, max_model_len, self.host_tables_t
+            )
+            self.prefill_graphs = PrefillGraphs(
+                model,
+                self.kv_caches,
+                min(max_num_batched_tokens, max_model_len),
+                self.host_tables_t,
             )
         self.host_time_s = 0.0  # time spent building batches and launching, on the host
         self.num_steps = 0
@@ -317,10 +325,13 @@ class ModelRunner:
             if r.sampling_params.prompt_logprobs is not None and c < r.num_prompt_tokens
         )
         host = self.prepare(plan, full)
-        graphed = host.is_decode and self.graphs is not None and self.graphs.can_run(host.num_seqs)
-        if graphed:
+        graphed = True  # a graph reads pinned staging that the next step rewrites
+        if host.is_decode and self.graphs is not None and self.graphs.can_run(host.num_seqs):
             logits = self.graphs.run(host, self._dirty_rows)
+        elif self.prefill_graphs is not None and self.prefill_graphs.can_run(host):
+            logits = self.prefill_graphs.run(host)
         else:
+            graphed = False
             hidden = self.model.forward(self.forward_batch(host), self.kv_caches)
             logits = self.model.compute_logits(hidden)  # (rows, V) float32
         self.host_time_s += time.perf_counter() - t0
