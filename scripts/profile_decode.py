@@ -64,7 +64,7 @@ def main() -> None:
     # 2. A full step, in parts.
     parts: dict[str, float] = defaultdict(float)
     sched, runner = eng.scheduler, eng.runner
-    orig_schedule, orig_execute, orig_update = sched.schedule, runner.execute, sched.update
+    orig_schedule, orig_collect, orig_update = sched.schedule, runner.collect, sched.update
 
     def timed(name, fn):
         def wrapper(*a, **k):
@@ -76,7 +76,7 @@ def main() -> None:
         return wrapper
 
     sched.schedule = timed("schedule", orig_schedule)
-    runner.execute = timed("execute (launch)", orig_execute)
+    runner.collect = timed("collect (wait + copy)", orig_collect)
     sched.update = timed("update", orig_update)
     t0 = time.perf_counter()
     n = args.steps

@@ -315,17 +315,17 @@ def scripted(llm: LLM, scripts: dict[int, list[int]]) -> None:
     """Stand in for sampling: each request that gets a token takes the next id
     of its script (request id -> ids; 0 once the script is used up)."""
     scripts = {k: list(v) for k, v in scripts.items()}
-    original = llm.engine.runner.execute
+    original = llm.engine.runner.collect
 
-    def execute(plan):
-        result = original(plan)
-        for i, req in enumerate(plan.scheduled):
+    def collect(step):
+        result = original(step)
+        for i, req in enumerate(step.plan.scheduled):
             if result.sampled_token_ids[i] is not None:
                 script = scripts[req.request_id]
                 result.sampled_token_ids[i] = script.pop(0) if script else 0
         return result
 
-    llm.engine.runner.execute = execute
+    llm.engine.runner.collect = collect
 
 
 @pytest.fixture(scope="module")

@@ -211,17 +211,17 @@ def test_a_failed_step_takes_back_the_pages_it_named(tiny, fail_with):
     prefix = list(range(10, 74))
     prompts = [prefix + [100 + i] for i in range(3)]
     reqs = [eng.add_request(p, greedy(3)) for p in prompts]
-    real = eng.runner.execute
+    real = eng.runner.collect
 
-    def failing(plan):
-        assert plan.fresh_hits  # the step this test is about
-        real(plan)  # half the work done: the K/V is written, the bookkeeping is not
+    def failing(step):
+        assert step.plan.fresh_hits  # the step this test is about
+        real(step)  # half the work done: the K/V is written, the bookkeeping is not
         raise fail_with("the device went away")
 
-    eng.runner.execute = failing
+    eng.runner.collect = failing
     with pytest.raises(fail_with):
         eng.step()
-    eng.runner.execute = real
+    eng.runner.collect = real
     eng.scheduler.check_invariants()
     assert eng.block_manager.pool.num_cached == 0  # every name taken back
     assert [r.status.value for r in reqs] == ["running", "waiting", "waiting"]

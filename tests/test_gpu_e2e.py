@@ -218,13 +218,13 @@ def test_graph_steps_that_sample_nothing_do_not_race_the_next_step():
     del eager
     graphed = LLM(model=ours, prefix_caching=False, **settings)
     assert graphed.engine.runner.graphs is not None
-    real = graphed.engine.runner.execute
+    real = graphed.engine.runner.launch
 
-    def lagging(plan):
+    def lagging(plan, feed=None):
         torch.cuda._sleep(3_000_000)  # the GPU falls behind the host
-        return real(plan)
+        return real(plan, feed)
 
-    graphed.engine.runner.execute = lagging
+    graphed.engine.runner.launch = lagging
     assert graphed.generate([prompt], params)[0].token_ids == want
 
 
@@ -266,3 +266,43 @@ def test_single_sequence_prefill_graphs_equal_eager_fp32():
                 assert la.keys() == lb.keys(), (i, settings)
                 diff = max(abs(la[k] - lb[k]) for k in la)
                 assert diff < 1e-3, (i, settings, diff)
+
+
+def test_async_scheduling_changes_no_greedy_output_fp32():
+    """On CUDA an all-decode step's successor is queued (decode graphs, input ids
+    fed on the device) before the step's ids are read back: the same greedy
+    tokens and log-probs as without, and the pool ends empty."""
+    from pagedllm import LLM, SamplingParams
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf, cfg = preset_hf_model(torch.float32, seed=3, num_layers=4, spread=True)
+    ours = ours_from_hf(hf, cfg, torch.float32)
+    del hf
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, 128000, (n,), generator=g).tolist() for n in (5, 70, 1, 33, 200)]
+    params = [
+        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2)
+        for n in (40, 12, 33, 20, 8)
+    ]
+
+    def run(async_scheduling):
+        llm = LLM(
+            model=ours,
+            kv_cache_mib=512,
+            max_model_len=1024,
+            max_num_seqs=8,
+            async_scheduling=async_scheduling,
+        )
+        outs = llm.generate(prompts, params)
+        st = llm.stats()
+        assert st["pages_free"] == st["pages_total"]
+        return outs, st
+
+    want, st = run(False)
+    assert st["steps_planned_ahead"] == 0
+    got, st = run(None)  # the default on CUDA
+    assert st["async_scheduling"] and st["steps_planned_ahead"] > 20
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert la.keys() == lb.keys() and max(abs(la[k] - lb[k]) for k in la) < 1e-4

@@ -6,6 +6,7 @@ of the sequence so far, like a greedy model's, so batching must not change it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -121,18 +122,22 @@ class PagedFakeModel:
             digests.append(d)
         return digests
 
-    def __call__(self, out: SchedulerOutput) -> list[int | None]:
+    def __call__(self, out: SchedulerOutput, fed: Sequence[int] | None = None) -> list[int | None]:
+        """`fed`: for a continuation plan, each row's input token (what the step
+        before it sampled, not yet appended to the request)."""
         bm = self.scheduler.block_manager
         rows = list(
             zip(out.scheduled, out.num_new_tokens, out.num_computed_tokens, out.block_tables)
         )
         assert len(rows) == len(out.scheduled)
+        assert (fed is not None) == out.is_continuation
+        extra = {id(r): [t] for r, t in zip(out.scheduled, fed or [])}
         writes: dict[int, tuple[int, int]] = {}
         for req, n, c, table in rows:  # every K/V of the step is written first
-            assert n >= 1 and c == req.num_computed_tokens
+            assert n >= 1 and c == req.num_computed_tokens + len(extra.get(id(req), []))
             assert table == bm.block_table(req)
             assert c + n <= len(table) * bm.block_size  # every new token has a slot
-            tokens = req.all_token_ids
+            tokens = req.all_token_ids + extra.get(id(req), [])
             digests = self._digests(tokens, c + n)
             for pos in range(c, c + n):
                 slot = self._slot(table, pos)
@@ -141,11 +146,11 @@ class PagedFakeModel:
         self.kv.update(writes)
         sampled: list[int | None] = []
         for req, n, c, table in rows:  # ... then attention reads the cache
-            tokens = req.all_token_ids
+            tokens = req.all_token_ids + extra.get(id(req), [])
             seen = [self.kv.get(self._slot(table, pos), (-1, -1)) for pos in range(c + n)]
             if seen != list(zip(tokens[: c + n], self._digests(tokens, c + n))):
                 self.corrupt.append(f"request {req.request_id} read {seen}")
-            if c + n < req.num_tokens:
+            if c + n < len(tokens):
                 sampled.append(None)
             else:
                 sampled.append(next_token([x for pair in seen for x in pair]))
@@ -1362,6 +1367,41 @@ class EngineV2Machine(RuleBasedStateMachine):
         if out.fresh_hits:
             event("prefix cache hit on pages this step computes")
 
+    @rule(n_ahead=st.integers(1, 5), abort_at=st.integers(-1, 5), data=st.data())
+    def steps_planned_ahead(self, n_ahead: int, abort_at: int, data: st.DataObject) -> None:
+        """Async scheduling: each step's successor is planned (and computed)
+        before the step's own tokens are applied, its input token fed from the
+        step's samples; a request may be aborted while a successor is queued."""
+        s = self.s
+        had_work, running_before = s.has_unfinished(), s.num_running
+        out = s.schedule()
+        self._check_plan(out, had_work, running_before)
+        sampled = self.model(out)
+        for k in range(n_ahead):
+            nxt = s.schedule_continuation(out)
+            if nxt is None:
+                break
+            event("a step planned ahead")
+            assert set(nxt.scheduled) <= set(out.scheduled)
+            nxt_sampled = self.model(nxt, [sampled[i] for i in nxt.feed_rows])
+            assert not self.model.corrupt, self.model.corrupt[0]
+            if k == abort_at and s.running:
+                req = data.draw(st.sampled_from(s.running))
+                event("abort while a step is queued")
+                s.finish_request(req, FinishReason.ABORT)
+                self.aborted.add(req.request_id)
+            self._apply(out, sampled)
+            out, sampled = nxt, nxt_sampled
+        self._apply(out, sampled)
+
+    def _apply(self, out: SchedulerOutput, sampled: list[int | None]) -> None:
+        for update in self.s.update(out, sampled):
+            req = update.request
+            assert update.new_token_ids == [req.output_token_ids[-1]]
+            if update.finished:
+                assert req.is_finished and not self.s.block_manager.holds(req)
+        self.s.check_invariants()
+
     def _check_plan(self, out: SchedulerOutput, had_work: bool, running_before: int) -> None:
         s, config = self.s, self.s.config
         if had_work:
@@ -1373,8 +1413,10 @@ class EngineV2Machine(RuleBasedStateMachine):
             assert running_before == 0, "static batching admitted next to a running group"
         if not config.chunked_prefill:
             # Whole prompts: a step of prompts (or recomputations), or everyone's decode token.
+            # (A request admitted in the step is computed in it as a prefill, even
+            # when the prefix cache left it one token: a recompute after preemption.)
             prefill = [
-                n > 1 or c < r.num_prompt_tokens
+                n > 1 or c < r.num_prompt_tokens or r in out.admitted
                 for r, n, c in zip(out.scheduled, out.num_new_tokens, out.num_computed_tokens)
             ]
             if any(prefill):
@@ -1475,3 +1517,33 @@ EngineV2Machine.TestCase.settings = settings(
     max_examples=100, stateful_step_count=30, deadline=None, report_multiple_bugs=False
 )
 test_engine_v2_machine = EngineV2Machine.TestCase
+
+
+def test_engine_v2_machine_found_a_recompute_step_in_whole_mode(monkeypatch):
+    """Found by a random run of EngineV2Machine: in whole-prompt mode a request
+    preempted after its first token is re-admitted on its cached prompt and
+    recomputes one token, alone in a prefill step (the machine's own check once
+    took that token for a decode token)."""
+    monkeypatch.setattr(sys.modules[__name__], "event", lambda *a, **k: None)  # outside @given
+    m = EngineV2Machine()
+    m.setup(
+        pool_tokens=12,
+        block_size=1,
+        max_num_seqs=3,
+        extra_budget=0,
+        max_model_len=8,
+        batching="continuous",
+        admission="optimistic",
+        chunked_prefill=False,
+        prefix_caching=True,
+    )
+    m.add_requests(
+        batch=[(0, 4, [], 2, False, 0), (0, 4, [], 3, False, 0), (0, 4, [], 1, False, 0)]
+    )
+    m.failed_step()
+    m._add(m.accepted[0].all_token_ids[:4], 2, False, False)
+    third = next(r for r in m.accepted if r.request_id == 3)
+    m.s.finish_request(third, FinishReason.ABORT)
+    m.aborted.add(third.request_id)
+    m.steps(n_steps=5)
+    m.teardown()

@@ -157,6 +157,12 @@ _FLAGS: dict[str, _Flag] = {
     "cuda_graphs": _Flag(
         "replay decode steps from CUDA graphs", switch=True, unset="$PAGEDLLM_CUDA_GRAPHS, else on"
     ),
+    "async_scheduling": _Flag(
+        "queue the next decode step before reading this one's tokens (the host's work "
+        "overlaps the GPU's)",
+        switch=True,
+        unset="on with CUDA, off on the CPU",
+    ),
 }
 
 

@@ -44,6 +44,10 @@ class EngineConfig:
     threads: int | None = None  # torch CPU threads; None: cpu_threads.py's policy
     ops: str | None = None  # "reference", "triton", "auto"; None: $PAGEDLLM_OPS or auto
     cuda_graphs: bool | None = None  # decode CUDA graphs; None: $PAGEDLLM_CUDA_GRAPHS or on
+    # Queue an all-decode step's successor before reading its results, so the
+    # host's bookkeeping overlaps the device's work (llm_engine._step).
+    # None: on for CUDA (where the device runs ahead of the host), off on the CPU.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         """Check every value before anything is loaded (a load can take many seconds)."""
@@ -54,8 +58,10 @@ class EngineConfig:
         for name in ("prefix_caching", "chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be True, False or None, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "async_scheduling"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be True, False or None, got {value!r}")
         _check_int("block_size", self.block_size, 1)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
@@ -106,6 +112,13 @@ class EngineConfig:
         if self.cuda_graphs is not None:
             return self.cuda_graphs
         return os.environ.get("PAGEDLLM_CUDA_GRAPHS", "1").lower() not in ("0", "false", "no")
+
+    def async_scheduling_wanted(self, device_type: str) -> bool:
+        """The setting, else on for CUDA: on the CPU every op runs as it is
+        called, so there is no device time for the host's work to hide behind."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return device_type == "cuda"
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -4,9 +4,15 @@ Owns: wiring the layers together and the order of one step, a chain of plain
 values each made by one owner (docs/architecture.md, "A request's life"):
 
     plan    = scheduler.schedule()                  # SchedulerOutput: lists, no tensors
-    result  = runner.execute(plan)                  # RunnerOutput: sampled ids as host lists
+    step    = runner.launch(plan)                   # the device's work, queued
+    result  = runner.collect(step)                  # RunnerOutput: sampled ids as host lists
     updates = scheduler.update(plan, result.sampled_token_ids)   # tokens, finishes
     outputs = engine.process(updates, result)       # text, stop strings, streaming
+
+With async scheduling (`EngineConfig.async_scheduling`), an all-decode step's
+successor is planned (`scheduler.schedule_continuation`) and launched between
+`launch` and `collect`, its input tokens fed on the device from this step's
+samples: the device runs it while the host does this step's bookkeeping.
 
 The engine imports no torch: tensors live in `runner/` (imported only when an
 engine is built). Does not own: any step's logic, each of which lives in its
@@ -176,6 +182,11 @@ class LLMEngine:
         self._ids = itertools.count()
         # Outputs not yet returned by step() (e.g. of requests aborted between steps).
         self._pending: list[StepOutput] = []
+        # A step queued on the device whose results the next _step collects
+        # (async scheduling only; a runner LaunchedStep).
+        self._inflight = None
+        self.async_scheduling = config.async_scheduling_wanted(model.device.type)
+        self.num_steps_planned_ahead = 0
         # Streaming requests' outputs, until `stream()` has handed out the last one.
         self._outboxes: dict[int, deque[StepOutput]] = {}
         self._lock = threading.RLock()
@@ -299,7 +310,7 @@ class LLMEngine:
             self.states.pop(req.request_id, None)
 
     def has_unfinished(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_unfinished()
+        return bool(self._pending) or self._inflight is not None or self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -310,28 +321,49 @@ class LLMEngine:
         lands in the step's bookkeeping (raised when that block ends) loses
         none of them; the next `step()` returns them."""
         with self._lock:
-            if self.scheduler.has_unfinished():
+            if self.scheduler.has_unfinished() or self._inflight is not None:
                 self._step()
             results, self._pending = self._pending, []
             return results
 
     def _step(self) -> None:
-        plan = None
+        """Finish one step; with async scheduling, queue the next one first.
+
+        Without it: plan, launch, collect, bookkeeping. With it, a step whose
+        successor can be planned before it ends (`schedule_continuation`: an
+        all-decode step) has that successor queued on the device before this
+        step's results are read, so the GPU runs it while the host does this
+        step's bookkeeping; the successor is collected by the next `_step`."""
+        launched, self._inflight = self._inflight, None
+        plan = launched.plan if launched is not None else None
+        successor = None
         try:
-            # 1. Decide what runs.
-            with deferred_interrupts():
-                plan = self.scheduler.schedule()
-            if not plan.scheduled:
-                self._raise_stalled()
-            # 2. Lists -> tensors -> logits -> sampled ids (one device-to-host copy).
-            # Interruptible: nothing below changes bookkeeping until step 3.
-            result = self.runner.execute(plan)
+            # 1. Decide what runs, unless it was decided (and queued) last step.
+            if launched is None:
+                with deferred_interrupts():
+                    plan = self.scheduler.schedule()
+                if not plan.scheduled:
+                    self._raise_stalled()
+                # 2. Lists -> tensors -> logits -> sampled ids, queued on the device.
+                # Interruptible: nothing below changes bookkeeping until step 3.
+                launched = self.runner.launch(plan)
+            if self.async_scheduling:
+                with deferred_interrupts():
+                    successor = self.scheduler.schedule_continuation(plan)
+                if successor is not None:
+                    self._inflight = self.runner.launch(successor, feed=launched)
+                    self.num_steps_planned_ahead += 1
+            # The sampled ids on the host (the step's one wait for the device).
+            result = self.runner.collect(launched)
         except BaseException:
             # A failed step is undone (its tokens are planned again; the pages
             # it named are unnamed), whether it failed in the runner or a Ctrl-C
-            # landed at the end of the planning.
-            if plan is not None:
-                with deferred_interrupts():
+            # landed at the end of the planning; so is a successor planned on it.
+            self._inflight = None
+            with deferred_interrupts():
+                if successor is not None:
+                    self.scheduler.undo_step(successor)
+                if plan is not None:
                     self.scheduler.undo_step(plan)
             raise
         with deferred_interrupts():
@@ -342,6 +374,9 @@ class LLMEngine:
             updates = self.scheduler.update(plan, result.sampled_token_ids)
             # 4. Detokenize, check stop strings, report.
             self._pending += self.process(updates, plan.scheduled, result)
+            queued = self._inflight
+            if queued is not None and all(r.is_finished for r in queued.plan.scheduled):
+                self._inflight = None  # every row of it finished meanwhile: nothing to read
 
     def process(
         self, updates: list[RequestUpdate], scheduled: Sequence[Request], result: RunnerOutput
@@ -528,6 +563,8 @@ class LLMEngine:
             "decode_tokens": s.num_decode_tokens,
             "steps": self.num_steps,
             "decode_steps": self.num_decode_steps,
+            "async_scheduling": self.async_scheduling,
+            "steps_planned_ahead": self.num_steps_planned_ahead,
             "host_time_per_step_ms": round(
                 1e3 * self.runner.host_time_s / max(1, self.runner.num_steps), 3
             ),

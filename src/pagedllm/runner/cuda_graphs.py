@@ -28,6 +28,22 @@ from pagedllm.model.llama import KVCache, LlamaModel
 from pagedllm.runner.batch import HostBatch
 
 
+class _Staging:
+    """Guards a graph's pinned staging buffers: the host may rewrite them only
+    after the device has read the previous step's copies out of them."""
+
+    def __init__(self) -> None:
+        self._event: torch.cuda.Event | None = None
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()  # usually long done: the copies run first in a step
+
+    def copies_queued(self) -> None:
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+
 def batch_buckets(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to max_num_seqs (vLLM's scheme)."""
     sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
@@ -66,6 +82,7 @@ class DecodeGraphs:
         self.d_long = torch.zeros((3, n), dtype=torch.long, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.staging = _Staging()
         self._capture(model)
 
     def _batch(self, b: int) -> ForwardBatch:
@@ -107,7 +124,9 @@ class DecodeGraphs:
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.max_bs
 
-    def run(self, host: HostBatch, dirty_rows: set[int]) -> torch.Tensor:
+    def run(
+        self, host: HostBatch, dirty_rows: set[int], fed: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Copy the step's host arrays (built by `ModelRunner.prepare`) into the
         graph's buffers and replay; returns (B, V) logits.
 
@@ -115,12 +134,15 @@ class DecodeGraphs:
         this buffer last copied them; the batch's are sent (columns up to its
         longest table: nothing past a row's table is read) and removed.
 
-        The copies are asynchronous, from pinned memory, and the host arrays are
-        rewritten next step without waiting: safe because the engine reads the
-        sampled ids (a sync) every step. An engine that prepares step n+1 while
-        step n runs must first record an event after these copies and wait on it."""
+        `fed`: (B,) input ids already on the device (a continuation step: the
+        ids the step before sampled), copied over the host's placeholders.
+
+        The copies are asynchronous, from pinned memory; the next run waits for
+        them (an event) before it rewrites the staging, since the engine may
+        prepare step n+1 while step n is still queued."""
         b = host.num_seqs
         bucket = next(x for x in self.buckets if x >= b)
+        self.staging.wait()
         h = self.h_long.numpy()
         hi = self.h_int.numpy()
         h[0, :b] = host.input_ids
@@ -139,6 +161,9 @@ class DecodeGraphs:
             rows, width = slice(min(send), max(send) + 1), host.longest_table
             self.block_tables[rows, :width].copy_(self.host_tables[rows, :width], non_blocking=True)
             dirty_rows.difference_update(send)
+        self.staging.copies_queued()
+        if fed is not None:
+            self.d_long[0, :b].copy_(fed)
         self.graphs[bucket].replay()
         return self.outputs[bucket][:b]
 
@@ -187,6 +212,7 @@ class PrefillGraphs:
         self.seq_lens = torch.zeros(1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.staging = _Staging()
         if self.buckets:
             self._capture(model)
 
@@ -240,11 +266,10 @@ class PrefillGraphs:
 
     def run(self, host: HostBatch) -> torch.Tensor:
         """Copy the step's host arrays into the graph's buffers and replay; (1, V) logits.
-
-        As for the decode graphs, the pinned staging is rewritten next step
-        without waiting: the engine reads the sampled ids (a sync) every step."""
+        (The staging is protected as for the decode graphs.)"""
         n = len(host.input_ids)
         t = next(x for x in self.buckets if x >= n)
+        self.staging.wait()
         h = self.h_long.numpy()
         h[0, :n] = host.input_ids
         h[1, :n] = host.positions
@@ -257,5 +282,6 @@ class PrefillGraphs:
         self.d_meta.copy_(self.h_meta, non_blocking=True)
         width = host.block_tables.shape[1]
         self.block_tables[:, :width].copy_(self.host_tables[0:1, :width], non_blocking=True)
+        self.staging.copies_queued()
         self.graphs[t].replay()
         return self.outputs[t]

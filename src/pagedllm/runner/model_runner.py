@@ -53,6 +53,20 @@ class KVCacheSpec:
 
 
 @dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device: what `collect` needs to finish it."""
+
+    plan: SchedulerOutput
+    done: list[int]  # rows of the plan that sample a token
+    sampled: torch.Tensor | None = None  # (len(done),) ids, on the device
+    logprobs: object | None = None  # the sampler's log-probs (device tensors), if asked
+    logprobs_ks: list[int | None] = field(default_factory=list)
+    prompt_logprobs: dict = field(default_factory=dict)
+    host_ids: torch.Tensor | None = None  # pinned copy of `sampled`, filled asynchronously
+    copied: torch.cuda.Event | None = None  # recorded after that copy
+
+
+@dataclass
 class RunnerOutput:
     """What one step computed, as host values, parallel to the plan's requests."""
 
@@ -227,6 +241,8 @@ class ModelRunner:
         # each request's one new token.
         row_owner, host_tables, dirty = self._row_owner, self.host_tables, self._dirty_rows
         ids: list[int] = []
+        # A continuation's input tokens are not known yet: they are fed on the device.
+        known = not plan.is_continuation
         longest = 0
         for i, (req, table, c) in enumerate(zip(reqs, plan.block_tables, starts)):
             n = len(table)
@@ -238,12 +254,12 @@ class ModelRunner:
                 row_owner[i] = (table, n)
             if n > longest:
                 longest = n
-            if decode:
+            if decode and known:
                 prompt = req.prompt_token_ids
                 ids.append(prompt[c] if c < len(prompt) else req.output_token_ids[c - len(prompt)])
         if decode:
             positions = np.array(starts, dtype=np.int64)
-            input_ids = np.array(ids, dtype=np.int64)
+            input_ids = np.array(ids, dtype=np.int64) if known else np.zeros(num_seqs, np.int64)
             rows = self._rows[:num_seqs]
             cu_seqlens = self._arange32[: num_seqs + 1]
             seq_lens = (positions + 1).astype(np.int32)
@@ -308,14 +324,23 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """Run one step: build the batch, run the model, sample, copy to the host once."""
+        return self.collect(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: SchedulerOutput, feed: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one step's work on the device and return without waiting for it.
+
+        `feed`: the step before, for a continuation plan (its input tokens are
+        the ones `feed` samples, taken on the device: `plan.feed_rows`)."""
         for request_id in plan.finished_request_ids:
             self._generators.pop(request_id, None)
         reqs = plan.scheduled
         if not reqs:
-            return RunnerOutput([], [])
+            return LaunchedStep(plan, [])
+        if plan.is_continuation and (feed is None or feed.sampled is None):
+            raise ValueError("a continuation plan needs the launched step before it")
         t0 = time.perf_counter()
         # Requests that want prompt log-probs get a logits row for every new
         # prompt token; everyone else only for their last new token.
@@ -325,50 +350,73 @@ class ModelRunner:
             if r.sampling_params.prompt_logprobs is not None and c < r.num_prompt_tokens
         )
         host = self.prepare(plan, full)
-        graphed = True  # a graph reads pinned staging that the next step rewrites
+        fed = None
+        if plan.is_continuation:
+            fed = feed.sampled
+            if len(plan.feed_rows) != len(fed) or plan.feed_rows != tuple(range(len(fed))):
+                fed = fed[torch.tensor(plan.feed_rows, device=fed.device)]
         if host.is_decode and self.graphs is not None and self.graphs.can_run(host.num_seqs):
-            logits = self.graphs.run(host, self._dirty_rows)
-        elif self.prefill_graphs is not None and self.prefill_graphs.can_run(host):
+            logits = self.graphs.run(host, self._dirty_rows, fed)
+        elif fed is None and self.prefill_graphs is not None and self.prefill_graphs.can_run(host):
             logits = self.prefill_graphs.run(host)
         else:
-            graphed = False
-            hidden = self.model.forward(self.forward_batch(host), self.kv_caches)
+            batch = self.forward_batch(host)
+            if fed is not None:
+                batch.input_ids = fed
+            hidden = self.model.forward(batch, self.kv_caches)
             logits = self.model.compute_logits(hidden)  # (rows, V) float32
         self.host_time_s += time.perf_counter() - t0
         self.num_steps += 1
         prompt_lp = self._prompt_logprobs(logits, plan, full) if full else {}
         # Sample for the requests that computed their last token.
-        ends = host.seq_lens.tolist()
-        done = [i for i, (r, end) in enumerate(zip(reqs, ends)) if end == r.num_tokens]
+        if plan.is_continuation:
+            done = list(range(len(reqs)))  # every one: its input was its last token
+        else:
+            ends = host.seq_lens.tolist()
+            done = [i for i, (r, end) in enumerate(zip(reqs, ends)) if end == r.num_tokens]
+        step = LaunchedStep(plan, done, prompt_logprobs=prompt_lp)
+        if not done:
+            return step
+        if full or len(done) < len(reqs):  # pick each sampled request's last row
+            last_rows = _last_rows(host.cu_seqlens, full)
+            logits = logits[torch.tensor([last_rows[i] for i in done], device=logits.device)]
+        done_reqs = [reqs[i] for i in done] if len(done) < len(reqs) else list(reqs)
+        generators = None
+        if any(r.sampling_params.seed is not None for r in done_reqs):
+            generators = [self._generator(r) for r in done_reqs]
+        meta = SamplingMetadata.from_requests(done_reqs, self.vocab_size, self.device, generators)
+        out = self.sampler(logits, meta)
+        step.sampled = out.sampled_token_ids
+        step.logprobs = out.logprobs
+        step.logprobs_ks = [r.sampling_params.logprobs for r in done_reqs]
+        if self.pin:
+            # The one device-to-host copy, started now; collect() waits for it.
+            step.host_ids = torch.empty(len(done), dtype=step.sampled.dtype, pin_memory=True)
+            step.host_ids.copy_(step.sampled, non_blocking=True)
+            step.copied = torch.cuda.Event()
+            step.copied.record()
+        return step
+
+    @torch.inference_mode()
+    def collect(self, step: LaunchedStep) -> RunnerOutput:
+        """Wait for a launched step's sampled ids; the step's results as host values."""
+        reqs = step.plan.scheduled
         sampled: list[int | None] = [None] * len(reqs)
         logprobs: list[Logprobs | None] = [None] * len(reqs)
-        if graphed and not done:
-            # Nothing to copy back, so nothing waits for the GPU; but the graph's
-            # pinned staging buffers are rewritten next step: wait for their copies.
-            torch.cuda.current_stream(self.device).synchronize()
-        if done:
-            if full or len(done) < len(reqs):  # pick each sampled request's last row
-                last_rows = _last_rows(host.cu_seqlens, full)
-                logits = logits[torch.tensor([last_rows[i] for i in done], device=logits.device)]
-            done_reqs = [reqs[i] for i in done] if len(done) < len(reqs) else list(reqs)
-            generators = None
-            if any(r.sampling_params.seed is not None for r in done_reqs):
-                generators = [self._generator(r) for r in done_reqs]
-            meta = SamplingMetadata.from_requests(
-                done_reqs, self.vocab_size, self.device, generators
-            )
-            out = self.sampler(logits, meta)
-            ids = out.sampled_token_ids.tolist()  # the step's one device-to-host copy
+        if step.sampled is not None:
+            if step.copied is not None:
+                step.copied.synchronize()
+                ids = step.host_ids.tolist()
+            else:
+                ids = step.sampled.tolist()
             entries = (
-                _entries(out.logprobs, [r.sampling_params.logprobs for r in done_reqs])
-                if out.logprobs is not None
-                else None
+                _entries(step.logprobs, step.logprobs_ks) if step.logprobs is not None else None
             )
-            for j, i in enumerate(done):
+            for j, i in enumerate(step.done):
                 sampled[i] = ids[j]
                 if entries is not None:
                     logprobs[i] = entries[j]
-        return RunnerOutput(sampled, logprobs, prompt_lp)
+        return RunnerOutput(sampled, logprobs, step.prompt_logprobs)
 
     def _generator(self, req: Request) -> torch.Generator | None:
         """A seeded request's own generator, made at its first sample and kept until it finishes."""

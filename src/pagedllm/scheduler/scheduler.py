@@ -128,6 +128,14 @@ class SchedulerOutput:
     # many are one decode token of a generating request.
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    # Planned before the previous step ran (schedule_continuation): request i's
+    # input token is the one that step sampled in row feed_rows[i], fed on the
+    # device. Empty for a normal plan.
+    feed_rows: tuple[int, ...] = ()
+
+    @property
+    def is_continuation(self) -> bool:
+        return bool(self.feed_rows)
 
     @property
     def is_prefill(self) -> bool:
@@ -252,6 +260,83 @@ class Scheduler:
             num_decode_tokens=plan.num_decode_tokens,
             named_pages=tuple((r, tuple(p)) for r, p in plan.named.items() if p),
             fresh_hits=tuple(plan.fresh_hits),
+        )
+
+    def schedule_continuation(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after `prev`, planned before `prev` ran (async scheduling):
+        each of prev's requests computes one more token, whose input is the
+        token `prev` samples (the runner feeds it on the device, `feed_rows`
+        saying which of prev's rows). None when that is not the step
+        `schedule()` would plan after `prev`, or is unsafe:
+
+        - `prev` was not an all-decode step of every running request, or it
+          admitted or preempted, or someone waits to be admitted;
+        - a request's next sample depends on the token not known yet
+          (penalties, min_tokens not reached, prompt log-probs);
+        - the pool lacks a page (a continuation never preempts: the normal
+          step decides that).
+
+        Requests that `prev` surely finishes (their last token by max_tokens or
+        max_model_len) are left out. One that `prev` finishes otherwise (EOS,
+        a stop id or string, an abort) is computed once more and its token
+        dropped: `update` skips requests that are no longer running. Pages the
+        unknown token fills are named later, once it is known (`cache_pages`
+        catches up at the request's next full page).
+        """
+        if (
+            not prev.scheduled
+            or prev.num_prefill_tokens
+            or prev.admitted
+            or prev.preempted
+            or self.waiting
+            or len(prev.scheduled) != len(self.running)
+        ):
+            return None
+        running = RequestStatus.RUNNING
+        limit = self.config.max_model_len
+        rows: list[int] = []
+        for i, request in enumerate(prev.scheduled):
+            c = request.num_computed_tokens  # `prev` computes position c
+            params = request.sampling_params
+            if (
+                request.status is not running
+                or request.num_tokens - c != 1
+                or params.presence_penalty
+                or params.frequency_penalty
+                or params.repetition_penalty not in (None, 1.0)
+                or len(request.output_token_ids) < params.min_tokens
+                or params.prompt_logprobs is not None
+            ):
+                return None
+            if len(request.output_token_ids) + 1 < params.max_tokens and c + 2 < limit:
+                rows.append(i)  # not finished by length after `prev`
+        if not rows:
+            return None
+        requests = tuple(prev.scheduled[i] for i in rows)
+        bm = self.block_manager
+        for request in requests:  # pages for position c + 1 (extra ones stay: harmless)
+            if not bm.allocate_slots(request, request.num_computed_tokens + 2):
+                return None
+        named: list[tuple[Request, tuple[int, ...]]] = []
+        if bm.enable_caching:
+            for request in requests:
+                if request.num_tokens % bm.block_size == 0:  # a page of known tokens is full
+                    pages = bm.cache_pages(request, request.num_tokens)
+                    if pages:
+                        named.append((request, tuple(pages)))
+        n = len(requests)
+        self.num_decode_tokens += n
+        self.max_decode_batch = max(self.max_decode_batch, n)
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(
+            scheduled=requests,
+            num_new_tokens=(1,) * n,
+            num_computed_tokens=tuple(r.num_computed_tokens + 1 for r in requests),
+            block_tables=tuple(bm.block_tables(requests)),
+            finished_request_ids=finished,
+            named_pages=tuple(named),
+            num_decode_tokens=n,
+            feed_rows=tuple(rows),
         )
 
     def _schedule_chunked(self, plan: _Plan) -> None:
