@@ -184,3 +184,32 @@ def test_stop_strings_and_streams_on_the_default_model(smollm2):
     assert [o.text for o in outs] == [o.text for o in sync]
     assert [o.finish_reason for o in outs] == [o.finish_reason for o in sync]
     assert_clean(llm)
+
+
+def test_pages_filled_ahead_are_cached_as_without(tiny):
+    """A page whose last token a queued step was fed is named once that step
+    has run: the next turn of a conversation hits as many cached tokens as
+    without async scheduling (found by a review: it hit none)."""
+    hits = []
+    for on in (False, True):
+        llm = LLM(model=tiny, kv_cache_mib=4, async_scheduling=on)
+        prompt = list(range(10, 24))  # 14 tokens: the third output fills page 1
+        out = llm.generate([prompt], greedy(3), use_tqdm=False)[0]
+        llm.generate([prompt + out.token_ids + [7, 8]], greedy(3), use_tqdm=False)
+        st = llm.stats()
+        assert st["steps_planned_ahead"] > 0 or not on
+        hits.append(st["prefix_cache_hit_tokens"])
+        assert_clean(llm)
+    assert hits[0] == hits[1] == 16
+
+
+def test_aborting_every_row_of_a_queued_step_forgets_it(tiny):
+    llm = LLM(model=tiny, kv_cache_mib=4, async_scheduling=True)
+    eng = llm.engine
+    reqs = [eng.add_request(p, greedy(30)) for p in prompts_for(tiny.config.vocab_size, n=3)]
+    while eng._inflight is None:
+        eng.step()
+    for r in reqs:
+        eng.abort(r, report=False)
+    assert eng._inflight is None and not eng.has_unfinished()
+    assert_clean(llm)

@@ -306,3 +306,55 @@ def test_async_scheduling_changes_no_greedy_output_fp32():
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):
             assert la.keys() == lb.keys() and max(abs(la[k] - lb[k]) for k in la) < 1e-4
+
+
+def test_block_table_copies_are_not_overwritten_while_queued():
+    """With the GPU behind the host, the next step's batch is built while this
+    one's host-to-device copies are still queued: the block-table mirror they
+    read must not be rewritten under them (found by a review). Two cases: a
+    continuation whose rows shift up when a request finishes by length, and a
+    prompt chunk (samples nothing) whose row is given to another request."""
+    from pagedllm import LLM, SamplingParams
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf, cfg = preset_hf_model(torch.float32, seed=3, num_layers=2, spread=True)
+    ours = ours_from_hf(hf, cfg, torch.float32)
+    del hf
+    g = torch.Generator().manual_seed(0)
+
+    def rand(n):
+        return torch.randint(3, 128000, (n,), generator=g).tolist()
+
+    def greedy_n(n):
+        return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+    def lagging(llm):
+        real = llm.engine.runner.launch
+
+        def launch(plan, feed=None):
+            torch.cuda._sleep(3_000_000)  # the GPU falls behind the host
+            return real(plan, feed)
+
+        llm.engine.runner.launch = launch
+        return llm
+
+    prompts, params = [rand(10), rand(40), rand(20)], [greedy_n(2), greedy_n(20), greedy_n(20)]
+    settings = dict(kv_cache_mib=64, max_model_len=64, max_num_seqs=4)
+    want = [o.token_ids for o in LLM(model=ours, **settings).generate(prompts, params)]
+    for on in (False, True):
+        llm = lagging(LLM(model=ours, async_scheduling=on, **settings))
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    z, w = rand(100), rand(60)
+    settings = dict(kv_cache_mib=64, max_model_len=512, max_num_seqs=2, max_num_batched_tokens=32)
+    want = LLM(model=ours, prefix_caching=False, **settings).generate([z], greedy_n(8))[0].token_ids
+    for on in (False, True):
+        llm = lagging(LLM(model=ours, async_scheduling=on, **settings))
+        eng = llm.engine
+        first = eng.add_request(z, greedy_n(4))
+        eng.add_request(w, greedy_n(4))
+        eng.step()
+        eng.step()  # two prompt chunks of z, through the prefill graph
+        eng.abort(first)  # w takes its row
+        while eng.has_unfinished():
+            eng.step()
+        assert llm.generate([z], greedy_n(8))[0].token_ids == want  # hits z's cached pages

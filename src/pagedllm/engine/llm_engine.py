@@ -308,6 +308,7 @@ class LLMEngine:
                 if state.on_output is not None:
                     state.on_output(out)
             self.states.pop(req.request_id, None)
+            self._drop_finished_inflight()
 
     def has_unfinished(self) -> bool:
         return bool(self._pending) or self._inflight is not None or self.scheduler.has_unfinished()
@@ -334,10 +335,10 @@ class LLMEngine:
         all-decode step) has that successor queued on the device before this
         step's results are read, so the GPU runs it while the host does this
         step's bookkeeping; the successor is collected by the next `_step`."""
-        launched, self._inflight = self._inflight, None
-        plan = launched.plan if launched is not None else None
-        successor = None
+        launched = plan = successor = None
         try:
+            launched, self._inflight = self._inflight, None
+            plan = launched.plan if launched is not None else None
             # 1. Decide what runs, unless it was decided (and queued) last step.
             if launched is None:
                 with deferred_interrupts():
@@ -374,9 +375,14 @@ class LLMEngine:
             updates = self.scheduler.update(plan, result.sampled_token_ids)
             # 4. Detokenize, check stop strings, report.
             self._pending += self.process(updates, plan.scheduled, result)
-            queued = self._inflight
-            if queued is not None and all(r.is_finished for r in queued.plan.scheduled):
-                self._inflight = None  # every row of it finished meanwhile: nothing to read
+            self._drop_finished_inflight()
+
+    def _drop_finished_inflight(self) -> None:
+        """Forget a queued step whose every row has finished since it was planned
+        (by a stop, an abort): nothing of it would be read."""
+        queued = self._inflight
+        if queued is not None and all(r.is_finished for r in queued.plan.scheduled):
+            self._inflight = None
 
     def process(
         self, updates: list[RequestUpdate], scheduled: Sequence[Request], result: RunnerOutput

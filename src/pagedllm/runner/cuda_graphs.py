@@ -28,20 +28,28 @@ from pagedllm.model.llama import KVCache, LlamaModel
 from pagedllm.runner.batch import HostBatch
 
 
-class _Staging:
-    """Guards a graph's pinned staging buffers: the host may rewrite them only
-    after the device has read the previous step's copies out of them."""
+class CopyFence:
+    """Guards the host memory a step's host-to-device copies read from (the
+    runner's block-table mirror, the graphs' pinned staging): the runner waits
+    on it before it rewrites any of them for the next step, since with async
+    scheduling the next step is prepared while this one is still queued. The
+    copies come first in a step, so the wait is short: it does not wait for
+    the step's kernels. On the CPU, where copies are done when they return,
+    it does nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
         self._event: torch.cuda.Event | None = None
 
     def wait(self) -> None:
         if self._event is not None:
-            self._event.synchronize()  # usually long done: the copies run first in a step
+            self._event.synchronize()
 
     def copies_queued(self) -> None:
-        self._event = torch.cuda.Event()
-        self._event.record()
+        """Call right after a step's host-to-device copies are queued (before its kernels)."""
+        if self.enabled:
+            self._event = torch.cuda.Event()
+            self._event.record()
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -60,9 +68,11 @@ class DecodeGraphs:
         max_num_seqs: int,
         max_model_len: int,
         host_tables: torch.Tensor,
+        fence: CopyFence,
     ) -> None:
         dev = model.device
         self.kv_caches = kv_caches
+        self.fence = fence
         self.max_model_len = max_model_len
         # The runner's pinned (max_num_seqs, width) host mirror of the block tables.
         self.host_tables = host_tables
@@ -82,7 +92,6 @@ class DecodeGraphs:
         self.d_long = torch.zeros((3, n), dtype=torch.long, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.staging = _Staging()
         self._capture(model)
 
     def _batch(self, b: int) -> ForwardBatch:
@@ -137,12 +146,11 @@ class DecodeGraphs:
         `fed`: (B,) input ids already on the device (a continuation step: the
         ids the step before sampled), copied over the host's placeholders.
 
-        The copies are asynchronous, from pinned memory; the next run waits for
-        them (an event) before it rewrites the staging, since the engine may
-        prepare step n+1 while step n is still queued."""
+        The copies are asynchronous, from pinned memory (the staging and the
+        runner's block-table mirror); the runner waits on `fence` before it
+        rewrites either for the next step."""
         b = host.num_seqs
         bucket = next(x for x in self.buckets if x >= b)
-        self.staging.wait()
         h = self.h_long.numpy()
         hi = self.h_int.numpy()
         h[0, :b] = host.input_ids
@@ -161,7 +169,7 @@ class DecodeGraphs:
             rows, width = slice(min(send), max(send) + 1), host.longest_table
             self.block_tables[rows, :width].copy_(self.host_tables[rows, :width], non_blocking=True)
             dirty_rows.difference_update(send)
-        self.staging.copies_queued()
+        self.fence.copies_queued()
         if fed is not None:
             self.d_long[0, :b].copy_(fed)
         self.graphs[bucket].replay()
@@ -193,9 +201,11 @@ class PrefillGraphs:
         kv_caches: list[KVCache],
         max_tokens: int,
         host_tables: torch.Tensor,
+        fence: CopyFence,
     ) -> None:
         dev = model.device
         self.kv_caches = kv_caches
+        self.fence = fence
         self.host_tables = host_tables
         self.buckets = prefill_buckets(max_tokens)
         self.max_tokens = self.buckets[-1] if self.buckets else 0
@@ -212,7 +222,6 @@ class PrefillGraphs:
         self.seq_lens = torch.zeros(1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.staging = _Staging()
         if self.buckets:
             self._capture(model)
 
@@ -266,10 +275,9 @@ class PrefillGraphs:
 
     def run(self, host: HostBatch) -> torch.Tensor:
         """Copy the step's host arrays into the graph's buffers and replay; (1, V) logits.
-        (The staging is protected as for the decode graphs.)"""
+        (The host memory the copies read is guarded by `fence`, as for decode.)"""
         n = len(host.input_ids)
         t = next(x for x in self.buckets if x >= n)
-        self.staging.wait()
         h = self.h_long.numpy()
         h[0, :n] = host.input_ids
         h[1, :n] = host.positions
@@ -282,6 +290,6 @@ class PrefillGraphs:
         self.d_meta.copy_(self.h_meta, non_blocking=True)
         width = host.block_tables.shape[1]
         self.block_tables[:, :width].copy_(self.host_tables[0:1, :width], non_blocking=True)
-        self.staging.copies_queued()
+        self.fence.copies_queued()
         self.graphs[t].replay()
         return self.outputs[t]

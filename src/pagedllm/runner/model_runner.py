@@ -29,7 +29,7 @@ from pagedllm.ops import implementation_name
 from pagedllm.request import Request
 from pagedllm.resolve import resolve_model_path
 from pagedllm.runner.batch import HostBatch
-from pagedllm.runner.cuda_graphs import DecodeGraphs, PrefillGraphs
+from pagedllm.runner.cuda_graphs import CopyFence, DecodeGraphs, PrefillGraphs
 from pagedllm.sampling import Sampler, SamplingMetadata, compute_logprobs, make_generator
 from pagedllm.scheduler import SchedulerOutput
 
@@ -204,6 +204,8 @@ class ModelRunner:
         self._arange32 = np.arange(max_num_seqs + 1, dtype=np.int32)
         self.sampler = Sampler()
         self._generators: dict[int, torch.Generator] = {}  # seeded requests only
+        # Waited on before the host memory that copies read from is rewritten.
+        self.fence = CopyFence(enabled=self.pin)
         self.graphs = None
         self.prefill_graphs = None
         # Graphs need the Triton kernels: their padding rows (slot -1) are no-ops
@@ -214,13 +216,14 @@ class ModelRunner:
             and implementation_name(self.device, ops_mode) == "triton"
         ):
             self.graphs = DecodeGraphs(
-                model, self.kv_caches, max_num_seqs, max_model_len, self.host_tables_t
+                model, self.kv_caches, max_num_seqs, max_model_len, self.host_tables_t, self.fence
             )
             self.prefill_graphs = PrefillGraphs(
                 model,
                 self.kv_caches,
                 min(max_num_batched_tokens, max_model_len),
                 self.host_tables_t,
+                self.fence,
             )
         self.host_time_s = 0.0  # time spent building batches and launching, on the host
         self.num_steps = 0
@@ -302,6 +305,11 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
         )
 
+    def _index(self, rows) -> torch.Tensor:
+        """Row indices on the device without waiting for it: a copy from pageable
+        memory would first wait for everything queued (the step in flight)."""
+        return self._to_device(np.asarray(rows, dtype=np.int64), torch.long)
+
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
         if self.pin:
@@ -349,18 +357,22 @@ class ModelRunner:
             for i, (r, c) in enumerate(zip(reqs, plan.num_computed_tokens))
             if r.sampling_params.prompt_logprobs is not None and c < r.num_prompt_tokens
         )
+        # The last step's copies may still be queued, reading the block-table
+        # mirror (and staging) that prepare() rewrites: wait for them (only them).
+        self.fence.wait()
         host = self.prepare(plan, full)
         fed = None
         if plan.is_continuation:
             fed = feed.sampled
             if len(plan.feed_rows) != len(fed) or plan.feed_rows != tuple(range(len(fed))):
-                fed = fed[torch.tensor(plan.feed_rows, device=fed.device)]
+                fed = fed[self._index(plan.feed_rows)]
         if host.is_decode and self.graphs is not None and self.graphs.can_run(host.num_seqs):
             logits = self.graphs.run(host, self._dirty_rows, fed)
         elif fed is None and self.prefill_graphs is not None and self.prefill_graphs.can_run(host):
             logits = self.prefill_graphs.run(host)
         else:
             batch = self.forward_batch(host)
+            self.fence.copies_queued()
             if fed is not None:
                 batch.input_ids = fed
             hidden = self.model.forward(batch, self.kv_caches)
@@ -379,7 +391,7 @@ class ModelRunner:
             return step
         if full or len(done) < len(reqs):  # pick each sampled request's last row
             last_rows = _last_rows(host.cu_seqlens, full)
-            logits = logits[torch.tensor([last_rows[i] for i in done], device=logits.device)]
+            logits = logits[self._index([last_rows[i] for i in done])]
         done_reqs = [reqs[i] for i in done] if len(done) < len(reqs) else list(reqs)
         generators = None
         if any(r.sampling_params.seed is not None for r in done_reqs):

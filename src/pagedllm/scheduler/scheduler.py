@@ -279,9 +279,9 @@ class Scheduler:
         Requests that `prev` surely finishes (their last token by max_tokens or
         max_model_len) are left out. One that `prev` finishes otherwise (EOS,
         a stop id or string, an abort) is computed once more and its token
-        dropped: `update` skips requests that are no longer running. Pages the
-        unknown token fills are named later, once it is known (`cache_pages`
-        catches up at the request's next full page).
+        dropped: `update` skips requests that are no longer running. A page
+        whose last token is the unknown one cannot be named now (its hash
+        needs that token): `update` names it once the step has run.
         """
         if (
             not prev.scheduled
@@ -317,13 +317,6 @@ class Scheduler:
         for request in requests:  # pages for position c + 1 (extra ones stay: harmless)
             if not bm.allocate_slots(request, request.num_computed_tokens + 2):
                 return None
-        named: list[tuple[Request, tuple[int, ...]]] = []
-        if bm.enable_caching:
-            for request in requests:
-                if request.num_tokens % bm.block_size == 0:  # a page of known tokens is full
-                    pages = bm.cache_pages(request, request.num_tokens)
-                    if pages:
-                        named.append((request, tuple(pages)))
         n = len(requests)
         self.num_decode_tokens += n
         self.max_decode_batch = max(self.max_decode_batch, n)
@@ -334,7 +327,6 @@ class Scheduler:
             num_computed_tokens=tuple(r.num_computed_tokens + 1 for r in requests),
             block_tables=tuple(bm.block_tables(requests)),
             finished_request_ids=finished,
-            named_pages=tuple(named),
             num_decode_tokens=n,
             feed_rows=tuple(rows),
         )
@@ -485,12 +477,24 @@ class Scheduler:
             )
         updates: list[RequestUpdate] = []
         running = RequestStatus.RUNNING
+        continuation = output.is_continuation
+        caching = self.block_manager.enable_caching
+        block_size = self.block_manager.block_size
         for request, num_new, token_id in zip(
             output.scheduled, output.num_new_tokens, sampled_token_ids
         ):
             if request.status is not running:
                 continue  # finished by finish_request() between schedule() and update()
             request.num_computed_tokens += num_new
+            if (
+                continuation
+                and caching
+                and request.num_computed_tokens % block_size == 0
+                and request.num_computed_tokens == request.num_tokens
+            ):
+                # The page this step filled ends in the token it was fed (a
+                # continuation could not name it when planned): name it now.
+                self.block_manager.cache_pages(request, request.num_computed_tokens)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # part of a prompt: nothing was sampled for it
             if token_id is None:
