@@ -4,6 +4,7 @@
     pagedllm --stats "Explain paging." 64 "Explain GQA." "Explain RoPE."
     echo "Explain paging." | pagedllm - 64            ("-" reads the prompt from stdin)
     pagedllm tokenize "Hello, world!"        pagedllm bench latency
+    pagedllm serve                           pagedllm trace "Hi" --steps 3 --layer 0
     pagedllm -- tokenize                     (a prompt that is a subcommand's name)
 
 Owns: the options of the generate command and their checks (all made before
@@ -48,7 +49,7 @@ from pagedllm.engine_args import (
 from pagedllm.engine_config import EngineConfig
 from pagedllm.sampling_params import SamplingParams
 
-SUBCOMMANDS = ("tokenize", "detokenize", "bench", "serve")
+SUBCOMMANDS = ("tokenize", "detokenize", "bench", "serve", "trace")
 PROG = "pagedllm"
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 1, 2, 130, 141
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -108,6 +109,10 @@ def _subcommand(name: str) -> Callable[[list[str]], int]:
         from pagedllm.server.cli import serve_main
 
         return serve_main
+    if name == "trace":
+        from pagedllm.trace import trace_main
+
+        return trace_main
     from pagedllm.bench.cli import bench_main
 
     return bench_main

@@ -62,6 +62,9 @@ class LlamaModel:
         # Which op implementation runs: "auto", "reference", "triton", or None to read
         # $PAGEDLLM_OPS (see ops/__init__.py). Settable after construction.
         self.ops_mode: str | None = None
+        # `pagedllm trace` sets this to see the buffers of each layer:
+        # tracer(layer_index, name, tensor). None (always, outside a trace): no cost.
+        self.tracer = None
         self.source_path = None  # the file or directory it was loaded from, if any
         self.device = embed_tokens.device
         self.dtype = embed_tokens.dtype
@@ -90,6 +93,9 @@ class LlamaModel:
 
         hidden = impl.embedding(batch.input_ids, self.embed_tokens)  # (T, E)
         residual = None
+        tracer = self.tracer
+        if tracer is not None:
+            tracer(-1, "embedding", hidden)
         for i, layer in enumerate(self.layers):
             # 1. Pre-attention norm; the residual add of the previous layer is fused in.
             if residual is None:
@@ -107,6 +113,9 @@ class LlamaModel:
             q, k = impl.apply_rope(q, k, batch.positions, self.cos_sin_cache)
             # 3. Attention: write the new K/V into their slots, then read through pages.
             attn = self._attention(impl, batch, q, k, v, kv_caches[i] if kv_caches else None)
+            if tracer is not None:
+                for name, t in (("q", q), ("k", k), ("v", v), ("attention", attn)):
+                    tracer(i, name, t)
             hidden = layer.o_proj(attn.view(num_tokens, q_size))  # (T, E)
             # 4. MLP: norm (fused with the residual add), gate/up in one matmul, SwiGLU, down.
             x, residual = impl.fused_add_rms_norm(
@@ -114,6 +123,8 @@ class LlamaModel:
             )
             gate_up = layer.gate_up_proj(x)  # (T, 2I)
             hidden = layer.down_proj(impl.silu_and_mul(gate_up))  # (T, E)
+            if tracer is not None:  # the residual stream after this layer (HF's hidden state)
+                tracer(i, "hidden", hidden + residual)
 
         # 5. Only the rows whose logits are wanted go through the final norm and LM head.
         idx = batch.logits_indices

@@ -1,0 +1,95 @@
+"""`pagedllm trace`: what it prints is what the engine holds and computes.
+
+Oracles: transformers' `output_hidden_states` for the per-layer checksums of a
+prefill, its greedy `generate` for the sampled tokens, and the block manager
+for the block tables the runner's batch carries.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagedllm.cli import main
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine_config import EngineConfig
+from pagedllm.model import load_model
+from pagedllm.trace import format_record, trace_steps
+from tiny_models import greedy, hf_greedy, make_tiny_llama_dir
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    path, hf = make_tiny_llama_dir(tmp_path_factory.mktemp("trace") / "m", seed=5)
+    return hf.eval(), load_model(path, device="cpu", dtype="float32")
+
+
+def test_layer_checksums_tokens_and_tables(pair):
+    hf, ours = pair
+    engine = LLMEngine(EngineConfig(kv_cache_mib=4, block_size=4), ours, log=lambda m: None)
+    prompts = [[5, 9, 13, 2, 7, 7, 30, 11, 4], [5, 9, 13, 2, 8]]
+    records = trace_steps(engine, prompts, greedy(4, logprobs=5), steps=4)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert ours.tracer is None and not engine.has_unfinished()  # nothing left behind
+
+    # 1. The prefill step's hidden states, layer by layer, against transformers.
+    with torch.no_grad():
+        states = hf(torch.tensor([prompts[0]]), output_hidden_states=True).hidden_states
+    first = records[0]
+    want = [s[0].double() for s in states]
+    # Both prompts are packed in one batch (the second shares a page with the
+    # first); a record sums the whole batch, so one prompt alone is compared.
+    assert first["layers"]["0"]["hidden"]["shape"] == [
+        sum(map(len, prompts)) - 4,  # the shared page is not computed twice
+        ours.config.hidden_size,
+    ]
+    engine.block_manager.pool.reset_cache()  # the prompt alone computes every token
+    alone = trace_steps(engine, prompts[:1], greedy(1), steps=1)[0]
+    for layer in range(len(ours.layers) - 1):  # HF's last state is after the final norm
+        got = alone["layers"][str(layer)]["hidden"]["sum"]
+        assert got == pytest.approx(float(want[layer + 1].sum()), rel=1e-4, abs=1e-3), layer
+    assert alone["layers"]["-1"]["embedding"]["sum"] == pytest.approx(
+        float(want[0].sum()), rel=1e-5, abs=1e-4
+    )
+
+    # 2. The sampled tokens are transformers' greedy tokens, with their top-5.
+    sampled: dict[int, list[int]] = {}
+    for r in records:
+        for e in r["sampled"]:
+            if "token" in e:
+                sampled.setdefault(e["request"], []).append(e["token"])
+                assert len(e["top"]) == 5 and e["top"][0][0] == e["token"]
+    for (_, tokens), prompt in zip(sorted(sampled.items()), prompts):  # ids in arrival order
+        assert tokens == hf_greedy(hf, prompt, 4)
+
+    # 3. The batch's block tables are the block manager's, and every slot is
+    #    the page of its position in that table.
+    bs = engine.block_manager.block_size
+    for r in records:
+        b, pages = r["batch"], r["scheduler"]["pages"]
+        ids = [x["request"] for x in r["scheduler"]["scheduled"]]
+        assert b["block_tables"] == [
+            pages[str(i)][: len(t)] for i, t in zip(ids, b["block_tables"])
+        ]
+        starts = b["cu_seqlens"]
+        for row, table in enumerate(b["block_tables"]):
+            for t in range(starts[row], starts[row + 1]):
+                pos = b["positions"][t]
+                assert b["slot_mapping"][t] == table[pos // bs] * bs + pos % bs
+    # The second prompt shares the first's first page (4 tokens): the prefix cache.
+    assert first["scheduler"]["admitted"][1]["cached_prompt_tokens"] == 4
+    assert "admitted r" in format_record(first) and "layer 0" in format_record(first)
+
+
+def test_the_command_on_the_default_model(capsys, smollm2):
+    code = main(["trace", "Hi", "--steps", "2", "--layer", "0", "--json", "--kv-cache-mib", "16"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0 and len(out) == 2
+    first, second = (json.loads(line) for line in out)
+    assert set(first["layers"]) == {"-1", "0"}  # the embedding and the one layer asked for
+    assert first["batch"]["positions"] == list(range(len(first["batch"]["input_ids"])))
+    assert second["batch"]["input_ids"] == [first["sampled"][0]["token"]]  # decode feeds it back
+    assert main(["trace", "Hi", "--layer", "99", "--kv-cache-mib", "16"]) == 1
+    assert "layer 99 does not exist" in capsys.readouterr().err
