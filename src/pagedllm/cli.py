@@ -190,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print batching, page, prefix-cache and timing figures at the end",
     )
+    p.add_argument(
+        "--plot",
+        metavar="DIR",
+        help="draw the run in DIR: pages.png (the page pool per step), timeline.png (each "
+        "request's waiting, prefill, decode), tokens.png (needs matplotlib: the plot extra)",
+    )
     s = p.add_argument_group("sampling (greedy unless --temperature, see below)")
     s.add_argument("--ignore-eos", action="store_true", help="generate until max new tokens")
     s.add_argument(
@@ -347,8 +353,16 @@ def generate_main(argv: list[str]) -> int:
 
     printer = _Printer()
     try:
+        if args.plot:
+            from pagedllm.bench.plot import require_matplotlib
+
+            require_matplotlib()  # before the load: a missing package costs no run
         threads = cpu_threads.apply_thread_policy(config.threads)
         llm = _build_llm(config, log)
+        if args.plot:
+            from pagedllm.engine.timeline import StepRecorder
+
+            llm.engine.recorder = StepRecorder()
         params = _cli_sampling_default(args, llm, params, log)
         outputs = _generate(args, llm, [t for t, _ in prompts], params, printer)
     except KeyboardInterrupt:
@@ -364,6 +378,15 @@ def generate_main(argv: list[str]) -> int:
     failed = _report(prompts, outputs, printer)
     if args.stats:
         print_stats(llm.stats(), outputs, threads, prefix_caching=config.prefix_caching)
+    if args.plot:
+        from pagedllm.plots import plot_run
+
+        try:
+            title = f"{len(prompts)} prompts, {llm.stats()['pages_total']} pages"
+            for path in plot_run(llm.engine.recorder, args.plot, title):
+                log(f"wrote {path}")
+        except (ValueError, OSError) as e:
+            return error(PROG, e)
     return EXIT_FAILED if failed else 0
 
 

@@ -187,6 +187,8 @@ class LLMEngine:
         self._inflight = None
         self.async_scheduling = config.async_scheduling_wanted(model.device.type)
         self.num_steps_planned_ahead = 0
+        # A timeline.StepRecorder while pictures are wanted (`pagedllm --plot`); else None.
+        self.recorder = None
         # Streaming requests' outputs, until `stream()` has handed out the last one.
         self._outboxes: dict[int, deque[StepOutput]] = {}
         self._lock = threading.RLock()
@@ -376,6 +378,8 @@ class LLMEngine:
             # 4. Detokenize, check stop strings, report.
             self._pending += self.process(updates, plan.scheduled, result)
             self._drop_finished_inflight()
+            if self.recorder is not None:
+                self.recorder.record(self, plan)
 
     def _drop_finished_inflight(self) -> None:
         """Forget a queued step whose every row has finished since it was planned
