@@ -28,11 +28,13 @@ def pair(tmp_path_factory):
 
 def test_layer_checksums_tokens_and_tables(pair):
     hf, ours = pair
-    engine = LLMEngine(EngineConfig(kv_cache_mib=4, block_size=4), ours, log=lambda m: None)
+    config = EngineConfig(kv_cache_mib=4, block_size=4, async_scheduling=True)
+    engine = LLMEngine(config, ours, log=lambda m: None)
     prompts = [[5, 9, 13, 2, 7, 7, 30, 11, 4], [5, 9, 13, 2, 8]]
     records = trace_steps(engine, prompts, greedy(4, logprobs=5), steps=4)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert ours.tracer is None and not engine.has_unfinished()  # nothing left behind
+    assert engine.async_scheduling  # off for the trace only
 
     # 1. The prefill step's hidden states, layer by layer, against transformers.
     with torch.no_grad():

@@ -64,7 +64,9 @@ def trace_steps(
     return one record per step (plain values: JSON as it is).
 
     `layers`: which layers' tensors to record (None: all). The engine should
-    run eagerly (no CUDA graphs: a replayed graph calls no Python)."""
+    run eagerly (no CUDA graphs: a replayed graph calls no Python); async
+    scheduling is switched off for the trace (a queued step is planned
+    without `schedule`, and its batch would show tokens not yet known)."""
     model, scheduler, runner = engine.model, engine.scheduler, engine.runner
     num_layers = len(model.layers)
     wanted = set(range(num_layers) if layers is None else layers)
@@ -137,6 +139,7 @@ def trace_steps(
     requests = [engine.add_request(list(p), params) for p in prompts]
     records: list[dict[str, Any]] = []
     scheduler.schedule, runner.prepare, model.tracer = schedule, prepare, on_tensor
+    was_async, engine.async_scheduling = engine.async_scheduling, False
     try:
         for n in range(1, steps + 1):
             if not engine.has_unfinished():
@@ -165,6 +168,7 @@ def trace_steps(
             records.append(record)
     finally:
         scheduler.schedule, runner.prepare, model.tracer = real_schedule, real_prepare, None
+        engine.async_scheduling = was_async
         for r in requests:
             engine.abort(r, report=False)
         engine.step()  # hand the aborts' outputs back; the pool is empty again

@@ -21,6 +21,8 @@ batch uses are refreshed each step (the rest are never read).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pagedllm.model.batch import ForwardBatch
@@ -50,6 +52,31 @@ class CopyFence:
         if self.enabled:
             self._event = torch.cuda.Event()
             self._event.record()
+
+
+def capture_graphs(
+    buckets: list[int], forward: Callable[[int], torch.Tensor]
+) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
+    """One graph per bucket of `forward(bucket)` (which returns the logits), and
+    the output tensor each replay rewrites.
+
+    Every bucket runs eagerly first (Triton compiles on first launch); then the
+    largest is captured first, so the smaller ones reuse its memory pool."""
+    for b in buckets:
+        forward(b)
+    torch.cuda.synchronize()
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    pool = None
+    for b in reversed(buckets):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[b] = forward(b)
+        if pool is None:
+            pool = graph.pool()
+        graphs[b] = graph
+    torch.cuda.synchronize()
+    return graphs, outputs
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -114,20 +141,9 @@ class DecodeGraphs:
         kv = self.kv_caches
         self.d_long[2].fill_(-1)  # padding: store nothing
         self.seq_lens.fill_(1)
-        # Warm up every bucket eagerly first: Triton compiles on first launch.
-        for b in self.buckets:
-            model.compute_logits(model.forward(self._batch(b), kv))
-        torch.cuda.synchronize()
-        pool = None
-        for b in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = model.compute_logits(model.forward(self._batch(b), kv))
-            if pool is None:
-                pool = graph.pool()
-            self.graphs[b] = graph
-            self.outputs[b] = out
-        torch.cuda.synchronize()
+        self.graphs, self.outputs = capture_graphs(
+            self.buckets, lambda b: model.compute_logits(model.forward(self._batch(b), kv))
+        )
         self.seq_lens.zero_()
 
     def can_run(self, num_seqs: int) -> bool:
@@ -250,19 +266,7 @@ class PrefillGraphs:
     def _capture(self, model) -> None:
         self.d_long[2].fill_(-1)  # store nothing while capturing
         self.d_meta.copy_(torch.tensor([0, 1, 1, 0]))
-        for t in self.buckets:  # warm up (Triton compiles on first launch)
-            self._forward(model, t)
-        torch.cuda.synchronize()
-        pool = None
-        for t in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(model, t)
-            if pool is None:
-                pool = graph.pool()
-            self.graphs[t] = graph
-            self.outputs[t] = out
-        torch.cuda.synchronize()
+        self.graphs, self.outputs = capture_graphs(self.buckets, lambda t: self._forward(model, t))
 
     def can_run(self, host: HostBatch) -> bool:
         """A prefill step of one sequence that fits a bucket and wants one logits row."""
