@@ -90,8 +90,69 @@ def test_the_command_on_the_default_model(capsys, smollm2):
     out = capsys.readouterr().out.splitlines()
     assert code == 0 and len(out) == 2
     first, second = (json.loads(line) for line in out)
-    assert set(first["layers"]) == {"-1", "0"}  # the embedding and the one layer asked for
+    # the embedding, the one layer asked for and the final norm
+    assert set(first["layers"]) == {"-1", "0", "30"}
     assert first["batch"]["positions"] == list(range(len(first["batch"]["input_ids"])))
     assert second["batch"]["input_ids"] == [first["sampled"][0]["token"]]  # decode feeds it back
     assert main(["trace", "Hi", "--layer", "99", "--kv-cache-mib", "16"]) == 1
     assert "layer 99 does not exist" in capsys.readouterr().err
+
+
+def test_every_buffer_against_transformers_and_the_filter(pair):
+    """Each buffer of BUFFERS in layer 0 against the same tensor of transformers'
+    layer (forward hooks), and the final norm against its last hidden state."""
+    from pagedllm.trace import BUFFERS
+
+    hf, ours = pair
+    engine = LLMEngine(EngineConfig(kv_cache_mib=4, block_size=4), ours, log=lambda m: None)
+    prompt = [5, 9, 13, 2, 7, 7, 30, 11, 4]
+    record = trace_steps(engine, [prompt], greedy(1), steps=1, layers=[0])[0]
+    n = len(ours.layers)
+    assert set(record["layers"]) == {"-1", "0", str(n)}
+    assert list(record["layers"]["0"]) == [
+        b for b in BUFFERS if b not in ("embedding", "final_norm")
+    ]
+
+    seen: dict[str, torch.Tensor] = {}
+    layer = hf.model.layers[0]
+
+    def keep(name, index=None):
+        def hook(module, args, out):
+            seen[name] = (args[0] if index == "in" else out).detach()
+
+        return hook
+
+    hooks = [
+        layer.input_layernorm.register_forward_hook(keep("attn_norm")),
+        layer.self_attn.o_proj.register_forward_hook(keep("attention", "in")),
+        layer.self_attn.o_proj.register_forward_hook(keep("o_proj")),
+        layer.post_attention_layernorm.register_forward_hook(keep("mlp_norm")),
+        layer.mlp.down_proj.register_forward_hook(keep("swiglu", "in")),
+        layer.mlp.down_proj.register_forward_hook(keep("down")),
+        layer.self_attn.v_proj.register_forward_hook(keep("v")),
+        layer.self_attn.k_proj.register_forward_hook(keep("k_raw")),
+        layer.self_attn.q_proj.register_forward_hook(keep("q_raw")),
+    ]
+    try:
+        with torch.no_grad():
+            states = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    finally:
+        for h in hooks:
+            h.remove()
+    got = record["layers"]["0"]
+    for name, t in seen.items():
+        assert got[name]["sum"] == pytest.approx(float(t.double().sum()), rel=1e-4, abs=1e-3), name
+        assert got[name]["shape"][0] == len(prompt), name
+    # RoPE at position 0 is the identity: the first row of q is q_raw's.
+    assert got["q"]["first"] == got["q_raw"]["first"]
+    final = record["layers"][str(n)]["final_norm"]
+    assert final["shape"] == [1, ours.config.hidden_size]  # only the row the LM head reads
+    assert final["sum"] == pytest.approx(
+        float(states[-1][0, -1].double().sum()), rel=1e-4, abs=1e-3
+    )
+
+    only = trace_steps(engine, [prompt], greedy(1), steps=1, layers=[1], buffers=["k", "swiglu"])
+    assert {k: list(v) for k, v in only[0]["layers"].items()} == {"1": ["k", "swiglu"]}
+    with pytest.raises(ValueError, match="no buffer 'kk'"):
+        trace_steps(engine, [prompt], greedy(1), steps=1, buffers=["kk"])
+    assert not engine.has_unfinished() and ours.tracer is None

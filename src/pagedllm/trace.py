@@ -11,9 +11,11 @@ For each engine step it prints what each layer made:
 2. the batch the runner built from it: input ids, positions, the slot of
    each new token in the KV cache, sequence lengths, block tables;
 3. RoPE's cos/sin at the batch's positions, then per traced layer the shape
-   and a checksum (sum, mean |x|, first values) of q, k, v, the attention
-   output and the hidden state after the layer (the residual stream:
-   transformers' `output_hidden_states[layer + 1]`);
+   and a checksum (sum, mean |x|, first values) of each buffer in BUFFERS:
+   the norms' outputs, q and k before and after RoPE, v, the attention
+   output, the projections, SwiGLU, and the hidden state after the layer
+   (the residual stream: transformers' `output_hidden_states[layer + 1]`);
+   `--buffer` picks some;
 4. each sampled token with its top-5 log-probs.
 
 How: the trace runs a normal engine (eager, no CUDA graphs, no async
@@ -40,6 +42,25 @@ from pagedllm.engine_args import add_engine_arguments, engine_config_from_args, 
 PROG = "pagedllm trace"
 SHOWN = 8  # values shown of each id list
 TOP_LOGPROBS = 5
+# What LlamaModel.forward hands the tracer, in order: layer -1 is the embedding,
+# layer num_layers the final norm (the rows that go to the LM head).
+BUFFERS = (
+    "embedding",
+    "attn_norm",  # RMSNorm of the residual stream, the input of q/k/v
+    "q_raw",  # q and k as the QKV matmul made them, before RoPE
+    "k_raw",
+    "q",  # after RoPE
+    "k",
+    "v",
+    "attention",  # softmax(q k^T / sqrt(D)) v, per head
+    "o_proj",  # the attention's output projected back to the hidden size
+    "mlp_norm",  # RMSNorm of the residual stream after the attention
+    "gate_up",  # gate and up projections, side by side
+    "swiglu",  # silu(gate) * up
+    "down",  # the MLP's output
+    "hidden",  # the residual stream after the layer (transformers' hidden_states[L + 1])
+    "final_norm",
+)
 
 
 def summarize(t) -> dict[str, Any]:
@@ -59,11 +80,13 @@ def trace_steps(
     params,
     steps: int,
     layers: Sequence[int] | None = None,
+    buffers: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Add `prompts` (token ids) with `params`, run up to `steps` steps, and
     return one record per step (plain values: JSON as it is).
 
-    `layers`: which layers' tensors to record (None: all). The engine should
+    `layers`: which layers' tensors to record (None: all); `buffers`: which
+    of BUFFERS (None: all). The engine should
     run eagerly (no CUDA graphs: a replayed graph calls no Python); async
     scheduling is switched off for the trace (a queued step is planned
     without `schedule`, and its batch would show tokens not yet known)."""
@@ -73,6 +96,9 @@ def trace_steps(
     for i in wanted:
         if not 0 <= i < num_layers:
             raise ValueError(f"layer {i} does not exist: the model has layers 0..{num_layers - 1}")
+    names = set(BUFFERS if buffers is None else buffers)
+    for name in names - set(BUFFERS):
+        raise ValueError(f"no buffer {name!r}: choose from {', '.join(BUFFERS)}")
     current: dict[str, Any] = {}
 
     def on_plan(plan):
@@ -121,7 +147,7 @@ def trace_steps(
         current["layers"] = {}
 
     def on_tensor(layer: int, name: str, t) -> None:
-        if layer == -1 or layer in wanted:
+        if name in names and (layer in (-1, num_layers) or layer in wanted):
             current["layers"].setdefault(str(layer), {})[name] = summarize(t)
 
     real_schedule, real_prepare = scheduler.schedule, runner.prepare
@@ -146,7 +172,7 @@ def trace_steps(
                 break
             current.clear()
             outputs = engine.step()
-            record = {"step": n, **current, "sampled": []}
+            record = {"step": n, "num_layers": num_layers, **current, "sampled": []}
             for out in outputs:
                 state = out.state
                 for j, token in enumerate(out.new_token_ids):
@@ -215,9 +241,9 @@ def format_record(r: dict[str, Any]) -> str:
         lines.append(f"rope at the positions: cos {_tensor(r['rope']['cos'])}")
         lines.append(f"                       sin {_tensor(r['rope']['sin'])}")
     for layer, tensors in r.get("layers", {}).items():
-        label = "embedding" if layer == "-1" else f"layer {layer}"
+        label = {"-1": "embedding", str(r.get("num_layers")): "final"}.get(layer, f"layer {layer}")
         for name, s in tensors.items():
-            lines.append(f"{label:<10}{name:<10}{_tensor(s)}")
+            lines.append(f"{label:<10}{name:<11}{_tensor(s)}")
     for e in r["sampled"]:
         if "finished" in e:
             lines.append(f"r{e['request']} finished: {e['finished']}")
@@ -249,6 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="L",
         help="trace layer L (repeatable; default: every layer)",
     )
+    p.add_argument(
+        "--buffer",
+        action="append",
+        metavar="NAME",
+        choices=BUFFERS,
+        help="record only this buffer (repeatable; default: all): " + ", ".join(BUFFERS),
+    )
     p.add_argument("--raw", action="store_true", help="the text as is, without the chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per step instead")
     add_engine_arguments(p)
@@ -278,7 +311,7 @@ def trace_main(argv: list[str]) -> int:
         params = SamplingParams(
             max_tokens=args.steps, temperature=0.0, logprobs=TOP_LOGPROBS, ignore_eos=True
         )
-        records = trace_steps(engine, prompts, params, args.steps, args.layer)
+        records = trace_steps(engine, prompts, params, args.steps, args.layer, args.buffer)
     except ValueError as e:
         return error(PROG, e)
     for record in records:

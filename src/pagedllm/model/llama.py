@@ -105,11 +105,16 @@ class LlamaModel:
                 x, residual = impl.fused_add_rms_norm(
                     hidden, residual, layer.input_norm, cfg.rms_norm_eps
                 )
+            if tracer is not None:
+                tracer(i, "attn_norm", x)
             # 2. One matmul for Q, K and V, then views into it.
             qkv = layer.qkv_proj(x)  # (T, (H + 2Hkv) D)
             q = qkv[:, :q_size].view(num_tokens, -1, cfg.head_dim)  # (T, H, D)
             k = qkv[:, q_size : q_size + kv_size].view(num_tokens, -1, cfg.head_dim)  # (T, Hkv, D)
             v = qkv[:, q_size + kv_size :].view(num_tokens, -1, cfg.head_dim)  # (T, Hkv, D)
+            if tracer is not None:  # before RoPE rotates them
+                tracer(i, "q_raw", q)
+                tracer(i, "k_raw", k)
             q, k = impl.apply_rope(q, k, batch.positions, self.cos_sin_cache)
             # 3. Attention: write the new K/V into their slots, then read through pages.
             attn = self._attention(impl, batch, q, k, v, kv_caches[i] if kv_caches else None)
@@ -117,18 +122,27 @@ class LlamaModel:
                 for name, t in (("q", q), ("k", k), ("v", v), ("attention", attn)):
                     tracer(i, name, t)
             hidden = layer.o_proj(attn.view(num_tokens, q_size))  # (T, E)
+            if tracer is not None:
+                tracer(i, "o_proj", hidden)
             # 4. MLP: norm (fused with the residual add), gate/up in one matmul, SwiGLU, down.
             x, residual = impl.fused_add_rms_norm(
                 hidden, residual, layer.post_norm, cfg.rms_norm_eps
             )
             gate_up = layer.gate_up_proj(x)  # (T, 2I)
-            hidden = layer.down_proj(impl.silu_and_mul(gate_up))  # (T, E)
-            if tracer is not None:  # the residual stream after this layer (HF's hidden state)
+            act = impl.silu_and_mul(gate_up)  # (T, I)
+            hidden = layer.down_proj(act)  # (T, E)
+            if tracer is not None:
+                for name, t in (("mlp_norm", x), ("gate_up", gate_up), ("swiglu", act)):
+                    tracer(i, name, t)
+                tracer(i, "down", hidden)
+                # the residual stream after this layer (HF's hidden state)
                 tracer(i, "hidden", hidden + residual)
 
         # 5. Only the rows whose logits are wanted go through the final norm and LM head.
         idx = batch.logits_indices
         out, _ = impl.fused_add_rms_norm(hidden[idx], residual[idx], self.norm, cfg.rms_norm_eps)
+        if tracer is not None:  # the rows that go to the LM head
+            tracer(len(self.layers), "final_norm", out)
         return out  # (N, E)
 
     def _attention(
