@@ -87,6 +87,24 @@ def test_norms_activation_embedding():
     assert torch.equal(tri.embedding(ids, table), ref.embedding(ids, table))
 
 
+@pytest.mark.parametrize(("n", "k", "act"), [(3072, E, False), (E, E, False), (E, INTER, True)])
+def test_gemv_projections(n, k, act):
+    """The single-row GEMV at the 1B projection shapes (q/k/v, o_proj, down with
+    SwiGLU fused in), through the op the model calls, and in a CUDA graph."""
+    x = torch.randn(1, 2 * k if act else k, device=DEV, dtype=BF16)
+    w = torch.randn(n, k, device=DEV, dtype=BF16) * k**-0.5
+    op = tri.silu_and_mul_linear if act else tri.linear
+    want = (ref.silu_and_mul_linear if act else ref.linear)(*f32(x, w))
+    assert rel_err(op(x, w), want) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    op(x, w)  # compiled before capture
+    with torch.cuda.graph(graph):
+        out = op(x, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert rel_err(out, (ref.silu_and_mul_linear if act else ref.linear)(*f32(x, w))) < 1e-2
+
+
 def test_rope_and_store_kvcache():
     scaling = RopeScaling(32.0, 1.0, 4.0, 8192)
     cache = ref.rope_cos_sin_cache(D, 500000.0, scaling, 131072, device=DEV)

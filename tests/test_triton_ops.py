@@ -114,6 +114,52 @@ def test_silu_and_mul(gen, dtype, inter):
     torch.testing.assert_close(tri.silu_and_mul(x), ref.silu_and_mul(x))
 
 
+# --------------------------------------------------------------------------
+# The GEMV (a projection of a few rows)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 37, 100), (1, 64, 512), (2, 50, 700), (3, 8, 33)])
+@pytest.mark.parametrize("act", [False, True])
+def test_gemv(gen, dtype, m, n, k, act):
+    """Every (BLOCK_N, BLOCK_K) against the reference, ragged N and K included."""
+    from pagedllm.ops import triton_gemv
+
+    x = torch.randn(m, 2 * k if act else k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
+    want = ref.silu_and_mul_linear(x, w) if act else ref.linear(x, w)
+    tol = {} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2e-3}
+    for config in [(4, 128, 4), (1, 256, 2), (16, 64, 4)]:
+        got = triton_gemv.gemv(x, w, act=act, config=config)
+        assert got.dtype == dtype and got.shape == (m, n)
+        torch.testing.assert_close(got, want, **tol)
+
+
+def test_linear_dispatch(gen, monkeypatch):
+    """The GEMV serves up to GEMV_MAX_ROWS rows of a contiguous weight; the rest go
+    to F.linear; both give the reference's numbers."""
+    from pagedllm.ops import triton_gemv
+
+    calls = []
+    real = triton_gemv.gemv
+    monkeypatch.setattr(
+        triton_gemv, "gemv", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw)
+    )
+    w = torch.randn(40, 96, generator=gen)
+    for rows in (1, triton_gemv.GEMV_MAX_ROWS, triton_gemv.GEMV_MAX_ROWS + 1):
+        x = torch.randn(rows, 96, generator=gen)
+        torch.testing.assert_close(tri.linear(x, w), ref.linear(x, w))
+        gate_up = torch.randn(rows, 192, generator=gen)
+        torch.testing.assert_close(
+            tri.silu_and_mul_linear(gate_up, w), ref.silu_and_mul_linear(gate_up, w)
+        )
+    most = triton_gemv.GEMV_MAX_ROWS
+    assert calls == [(1, 96), (1, 192), (most, 96), (most, 192)]  # not most + 1 rows
+    torch.testing.assert_close(tri.linear(x[:1], w.t().contiguous().t()), ref.linear(x[:1], w))
+    assert len(calls) == 4  # a transposed (non-contiguous) weight too
+
+
 def test_embedding(gen):
     weight = torch.randn(50, 1100, generator=gen)
     ids = torch.randint(0, 50, (9,), generator=gen)

@@ -12,6 +12,8 @@ wants HF's (out, in) matrix reads `proj.weight`.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -38,10 +40,11 @@ class Linear:
         self.transposed = weight.device.type == "cpu"  # stored (in, out)
         self.stored = (weight.t() if self.transposed else weight).contiguous()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, in) -> (T, out)."""
+    def __call__(self, x: torch.Tensor, impl: ModuleType | None = None) -> torch.Tensor:
+        """x (T, in) -> (T, out). `impl`: the ops module (`ops.implementation`) whose
+        `linear` multiplies on CUDA (Triton's: a GEMV for a single row); None: cuBLAS."""
         if not self.transposed:
-            return F.linear(x, self.stored)  # cuBLAS
+            return F.linear(x, self.stored) if impl is None else impl.linear(x, self.stored)
         if x.shape[0] <= NUMPY_MATMUL_MAX_ROWS and x.dtype == torch.float32 and numpy_matmul_ok():
             # Few rows (decode): numpy's BLAS streams CPU weights faster than torch's
             # (see cpu_blas.py); many rows (prefill) stay on torch's multi-threaded
@@ -50,6 +53,13 @@ class Linear:
         return x @ self.stored
 
     forward = __call__
+
+    def after_silu_and_mul(self, gate_up: torch.Tensor, impl: ModuleType) -> torch.Tensor:
+        """This projection of silu_and_mul(gate_up): (T, 2I) -> (T, out). On CUDA one
+        op (`silu_and_mul_linear`: Triton fuses the gate into a single row's GEMV)."""
+        if not self.transposed:
+            return impl.silu_and_mul_linear(gate_up, self.stored)
+        return self(impl.silu_and_mul(gate_up))
 
     @property
     def weight(self) -> torch.Tensor:

@@ -108,7 +108,7 @@ class LlamaModel:
             if tracer is not None:
                 tracer(i, "attn_norm", x)
             # 2. One matmul for Q, K and V, then views into it.
-            qkv = layer.qkv_proj(x)  # (T, (H + 2Hkv) D)
+            qkv = layer.qkv_proj(x, impl)  # (T, (H + 2Hkv) D)
             q = qkv[:, :q_size].view(num_tokens, -1, cfg.head_dim)  # (T, H, D)
             k = qkv[:, q_size : q_size + kv_size].view(num_tokens, -1, cfg.head_dim)  # (T, Hkv, D)
             v = qkv[:, q_size + kv_size :].view(num_tokens, -1, cfg.head_dim)  # (T, Hkv, D)
@@ -121,17 +121,19 @@ class LlamaModel:
             if tracer is not None:
                 for name, t in (("q", q), ("k", k), ("v", v), ("attention", attn)):
                     tracer(i, name, t)
-            hidden = layer.o_proj(attn.view(num_tokens, q_size))  # (T, E)
+            hidden = layer.o_proj(attn.view(num_tokens, q_size), impl)  # (T, E)
             if tracer is not None:
                 tracer(i, "o_proj", hidden)
             # 4. MLP: norm (fused with the residual add), gate/up in one matmul, SwiGLU, down.
             x, residual = impl.fused_add_rms_norm(
                 hidden, residual, layer.post_norm, cfg.rms_norm_eps
             )
-            gate_up = layer.gate_up_proj(x)  # (T, 2I)
-            act = impl.silu_and_mul(gate_up)  # (T, I)
-            hidden = layer.down_proj(act)  # (T, E)
-            if tracer is not None:
+            gate_up = layer.gate_up_proj(x, impl)  # (T, 2I)
+            if tracer is None:  # SwiGLU then down: fused on CUDA for one row (a GEMV)
+                hidden = layer.down_proj.after_silu_and_mul(gate_up, impl)  # (T, E)
+            else:  # the same ops, with SwiGLU's (T, I) output in hand for the trace
+                act = impl.silu_and_mul(gate_up)  # (T, I)
+                hidden = layer.down_proj(act, impl)  # (T, E)
                 for name, t in (("mlp_norm", x), ("gate_up", gate_up), ("swiglu", act)):
                     tracer(i, name, t)
                 tracer(i, "down", hidden)

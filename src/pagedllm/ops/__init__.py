@@ -27,6 +27,8 @@ OP_NAMES = (
     "rms_norm",
     "fused_add_rms_norm",
     "silu_and_mul",
+    "linear",
+    "silu_and_mul_linear",
     "apply_rope",
     "store_kvcache",
     "prefill_attention",

@@ -57,6 +57,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate.float()).to(x.dtype) * up
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A projection, x (T, in) @ weight.T -> (T, out); weight is HF's (out, in)."""
+    return torch.nn.functional.linear(x, weight)
+
+
+def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The MLP's second half: silu_and_mul(gate_up) (T, I) @ weight.T -> (T, E)."""
+    return linear(silu_and_mul(gate_up), weight)
+
+
 # --------------------------------------------------------------------------
 # RoPE
 # --------------------------------------------------------------------------

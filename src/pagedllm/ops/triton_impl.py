@@ -16,6 +16,7 @@ import triton  # noqa: F401  (an ImportError here means "no Triton" to the dispa
 
 from pagedllm.ops.triton_act import silu_and_mul
 from pagedllm.ops.triton_attention import decode_attention, prefill_attention
+from pagedllm.ops.triton_gemv import linear, silu_and_mul_linear
 from pagedllm.ops.triton_kv import embedding, store_kvcache
 from pagedllm.ops.triton_norm import fused_add_rms_norm, rms_norm
 from pagedllm.ops.triton_rope import apply_rope
@@ -25,6 +26,8 @@ __all__ = [
     "rms_norm",
     "fused_add_rms_norm",
     "silu_and_mul",
+    "linear",
+    "silu_and_mul_linear",
     "apply_rope",
     "store_kvcache",
     "prefill_attention",
