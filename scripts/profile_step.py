@@ -40,8 +40,9 @@ CATEGORIES = [  # (category, substrings of kernel names), first match wins
     ("rope", ("rope",)),
     ("swiglu", ("silu",)),
     ("kv store", ("store_kvcache",)),
+    ("sampling/other", ("argmax",)),
     ("embedding", ("_embedding",)),
-    ("gemm", ("gemm", "nvjet", "cutlass", "sm90", "xmma", "cublas", "splitk", "matmul")),
+    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90", "xmma", "cublas", "splitk", "matmul")),
 ]
 
 

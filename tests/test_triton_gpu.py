@@ -105,6 +105,15 @@ def test_gemv_projections(n, k, act):
     assert rel_err(out, (ref.silu_and_mul_linear if act else ref.linear)(*f32(x, w))) < 1e-2
 
 
+@pytest.mark.parametrize("rows", [1, 256])
+def test_argmax_equals_torch(rows):
+    logits = torch.randn(rows, 128256, device=DEV)
+    logits[0, 100] = logits[0, 70000] = 30.0  # a tie: the first index
+    assert torch.equal(tri.argmax(logits), logits.argmax(dim=-1))
+    half = logits.to(BF16)  # many ties in bf16
+    assert torch.equal(tri.argmax(half), half.argmax(dim=-1))
+
+
 def test_rope_and_store_kvcache():
     scaling = RopeScaling(32.0, 1.0, 4.0, 8192)
     cache = ref.rope_cos_sin_cache(D, 500000.0, scaling, 131072, device=DEV)

@@ -160,6 +160,27 @@ def test_linear_dispatch(gen, monkeypatch):
     assert len(calls) == 4  # a transposed (non-contiguous) weight too
 
 
+def test_argmax_first_index_of_the_max(gen):
+    """Across chunk edges, ties (the first index wins, also across chunks), -inf
+    rows, a NaN (the maximum, as in torch.argmax), and a V that is no multiple of
+    the chunk."""
+    from pagedllm.ops.triton_argmax import CHUNK
+
+    v = 2 * CHUNK + 123
+    x = torch.randn(7, v, generator=gen)
+    x[1, CHUNK - 1] = x[1, CHUNK] = 50.0  # a tie on both sides of a chunk edge
+    x[2, 5] = x[2, v - 1] = 50.0  # a tie across the row
+    x[3] = float("-inf")
+    x[4, v - 1] = 99.0  # the last element
+    x[5, 17] = float("nan")
+    x[6, :] = 1.0  # every element the max
+    got = tri.argmax(x)
+    assert got.dtype == torch.int64
+    assert got.tolist() == ref.argmax(x).tolist()
+    assert got[:3].tolist()[1:] == [CHUNK - 1, 5] and got[5] == 17 and got[6] == 0
+    assert tri.argmax(x[:, :100]).tolist() == ref.argmax(x[:, :100]).tolist()  # one chunk, strided
+
+
 def test_embedding(gen):
     weight = torch.randn(50, 1100, generator=gen)
     ids = torch.randint(0, 50, (9,), generator=gen)

@@ -33,6 +33,7 @@ OP_NAMES = (
     "store_kvcache",
     "prefill_attention",
     "decode_attention",
+    "argmax",
 )
 
 

@@ -62,6 +62,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy sampling: (B, V) -> (B,) int64, the first index of each row's maximum."""
+    return logits.argmax(dim=-1)
+
+
 def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The MLP's second half: silu_and_mul(gate_up) (T, I) @ weight.T -> (T, E)."""
     return linear(silu_and_mul(gate_up), weight)

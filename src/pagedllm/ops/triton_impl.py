@@ -15,6 +15,7 @@ from __future__ import annotations
 import triton  # noqa: F401  (an ImportError here means "no Triton" to the dispatcher)
 
 from pagedllm.ops.triton_act import silu_and_mul
+from pagedllm.ops.triton_argmax import argmax
 from pagedllm.ops.triton_attention import decode_attention, prefill_attention
 from pagedllm.ops.triton_gemv import linear, silu_and_mul_linear
 from pagedllm.ops.triton_kv import embedding, store_kvcache
@@ -32,4 +33,5 @@ __all__ = [
     "store_kvcache",
     "prefill_attention",
     "decode_attention",
+    "argmax",
 ]

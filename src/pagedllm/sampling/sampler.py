@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from pagedllm import ops
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -391,7 +392,8 @@ class Sampler:
 
     @staticmethod
     def sample(logits: Tensor, meta: SamplingMetadata) -> Tensor:
-        greedy = None if meta.all_random else logits.argmax(dim=-1)  # (B,)
+        # Greedy rows: Triton's two-stage argmax on CUDA (torch's ran as one block).
+        greedy = None if meta.all_random else ops.implementation(logits.device).argmax(logits)
         if meta.all_greedy:
             return greedy
         logits = logits / meta.temperature[:, None]
