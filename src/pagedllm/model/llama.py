@@ -23,6 +23,7 @@ from pagedllm import ops
 from pagedllm.config import ModelConfig
 from pagedllm.model.batch import ForwardBatch
 from pagedllm.model.linear import Linear
+from pagedllm.model.parallel import TensorParallel
 from pagedllm.ops.reference import rope_cos_sin_cache
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: (NB, BS, Hkv, D) each
@@ -51,8 +52,12 @@ class LlamaModel:
         norm: torch.Tensor,
         lm_head: Linear,
         max_positions: int | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
+        # With `tp`, the config is this rank's (H/N, Hkv/N, I/N heads and width) and the
+        # weights are its slices (model/parallel.py); None: the whole model here.
         self.config = config
+        self.tp = tp
         self.embed_tokens = embed_tokens  # (V, E)
         self.layers = layers
         self.norm = norm  # (E,)
@@ -91,7 +96,7 @@ class LlamaModel:
         num_tokens = batch.num_tokens
         q_size, kv_size = cfg.q_size, cfg.kv_size
 
-        hidden = impl.embedding(batch.input_ids, self.embed_tokens)  # (T, E)
+        hidden = self._embed(impl, batch.input_ids)  # (T, E)
         residual = None
         tracer = self.tracer
         if tracer is not None:
@@ -122,6 +127,8 @@ class LlamaModel:
                 for name, t in (("q", q), ("k", k), ("v", v), ("attention", attn)):
                     tracer(i, name, t)
             hidden = layer.o_proj(attn.view(num_tokens, q_size), impl)  # (T, E)
+            if self.tp is not None:  # row-parallel: each rank's product is a partial sum
+                self.tp.all_reduce(hidden)
             if tracer is not None:
                 tracer(i, "o_proj", hidden)
             # 4. MLP: norm (fused with the residual add), gate/up in one matmul, SwiGLU, down.
@@ -136,6 +143,9 @@ class LlamaModel:
                 hidden = layer.down_proj(act, impl)  # (T, E)
                 for name, t in (("mlp_norm", x), ("gate_up", gate_up), ("swiglu", act)):
                     tracer(i, name, t)
+            if self.tp is not None:
+                self.tp.all_reduce(hidden)
+            if tracer is not None:
                 tracer(i, "down", hidden)
                 # the residual stream after this layer (HF's hidden state)
                 tracer(i, "hidden", hidden + residual)
@@ -146,6 +156,17 @@ class LlamaModel:
         if tracer is not None:  # the rows that go to the LM head
             tracer(len(self.layers), "final_norm", out)
         return out  # (N, E)
+
+    def _embed(self, impl, input_ids: torch.Tensor) -> torch.Tensor:
+        """(T,) ids -> (T, E). Vocabulary-parallel: each rank embeds the ids of its
+        rows, zeros for the others, and the all-reduce sums the rows."""
+        if self.tp is None:
+            return impl.embedding(input_ids, self.embed_tokens)
+        start, end = self.tp.vocab_rows(self.config.vocab_size)
+        mine = (input_ids >= start) & (input_ids < end)  # (T,)
+        hidden = impl.embedding(torch.where(mine, input_ids - start, 0), self.embed_tokens)
+        hidden.mul_(mine[:, None].to(hidden.dtype))
+        return self.tp.all_reduce(hidden)
 
     def _attention(
         self,
@@ -186,8 +207,11 @@ class LlamaModel:
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, E) -> (N, V) float32."""
-        return self.lm_head(hidden).float()
+        """(N, E) -> (N, V) float32. Vocabulary-parallel: every rank's (N, V/N) gathered."""
+        logits = self.lm_head(hidden)
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits, self.config.vocab_size)
+        return logits.float()
 
     # ------------------------------------------------------------------
     @torch.inference_mode()

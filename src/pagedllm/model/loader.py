@@ -22,6 +22,7 @@ import torch
 from pagedllm.config import ModelConfig
 from pagedllm.model.linear import Linear
 from pagedllm.model.llama import LayerWeights, LlamaModel
+from pagedllm.model.parallel import TensorParallel, check_divisible, shard_config, shard_weight
 from pagedllm.resolve import is_gguf, resolve_model_path
 
 _DTYPES = {
@@ -80,8 +81,11 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     *,
     max_model_len: int | None = None,
+    tp: TensorParallel | None = None,
 ) -> LlamaModel:
     """Load a Llama-family model; `path=None` means the default SmolLM2 GGUF.
+
+    `tp`: load only this rank's slice of each weight (see `model/parallel.py`).
 
     `max_model_len`: the longest sequence the caller will run; the RoPE table is
     built for min(max_position_embeddings, max_model_len) positions (all of the
@@ -106,7 +110,9 @@ def load_model(
 
         config = ModelConfig.from_hf_dir(model_path)
         state = load_safetensors_dir(model_path, device="cpu")
-    model = build_model(config, state, dev, dt, source=str(model_path), max_model_len=max_model_len)
+    model = build_model(
+        config, state, dev, dt, source=str(model_path), max_model_len=max_model_len, tp=tp
+    )
     model.source_path = model_path
     return model
 
@@ -118,15 +124,19 @@ def build_model(
     dtype: torch.dtype,
     source: str = "model",
     max_model_len: int | None = None,
+    tp: TensorParallel | None = None,
 ) -> LlamaModel:
     """Check names and shapes, fuse QKV and gate/up, and move everything to device/dtype once.
 
     `state` must hold exactly the config's weights (see `check_no_unused_weights`).
-    `max_model_len` bounds the RoPE table (see `load_model`).
+    `max_model_len` bounds the RoPE table (see `load_model`). `tp`: keep only this
+    rank's slice of each weight (shapes are checked whole, before slicing).
     """
     config = _resolve_tied_head(config, state, source)
     check_no_unused_weights(config, state, source)
     c = config
+    if tp is not None:
+        check_divisible(c, tp.size)
 
     def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in state:
@@ -136,7 +146,7 @@ def build_model(
             raise ValueError(
                 f"{source}: weight {name!r} has shape {tuple(t.shape)}, config implies {shape}"
             )
-        return t
+        return t if tp is None else shard_weight(name, t, tp)
 
     def put(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype).contiguous()
@@ -170,7 +180,8 @@ def build_model(
     else:
         lm_head = put_matrix(take("lm_head.weight", (c.vocab_size, e)))
     norm = put(take("model.norm.weight", (e,)))
-    return LlamaModel(c, embed, layers, norm, lm_head, max_positions=max_model_len)
+    local = c if tp is None else shard_config(c, tp.size)
+    return LlamaModel(local, embed, layers, norm, lm_head, max_positions=max_model_len, tp=tp)
 
 
 def check_no_unused_weights(
@@ -234,13 +245,15 @@ def dummy_model(
     dtype: str | torch.dtype | None = None,
     seed: int = 0,
     std: float = 0.02,
+    tp: TensorParallel | None = None,
 ) -> LlamaModel:
     """Random weights of the config's shape, made directly on the device in the compute
-    dtype (no file, no float32 detour): for speed work, where values do not matter."""
+    dtype (no file, no float32 detour): for speed work, where values do not matter.
+    With `tp`, only this rank's slice is made (seeded by seed + rank)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    c = config
+    c = config if tp is None else shard_config(config, tp.size)
+    gen = torch.Generator(device=dev).manual_seed(seed + (tp.rank if tp else 0))
 
     def mat(rows: int, cols: int) -> Linear:
         return Linear(torch.randn(rows, cols, generator=gen, device=dev, dtype=dt) * std)
@@ -260,6 +273,7 @@ def dummy_model(
         )
         for _ in range(c.num_hidden_layers)
     ]
-    embed = torch.randn(c.vocab_size, e, generator=gen, device=dev, dtype=dt) * std
-    lm_head = Linear(embed) if c.tie_word_embeddings else mat(c.vocab_size, e)
-    return LlamaModel(c, embed, layers, ones(e), lm_head)
+    vocab = c.vocab_size if tp is None else -(-c.vocab_size // tp.size)  # this rank's rows
+    embed = torch.randn(vocab, e, generator=gen, device=dev, dtype=dt) * std
+    lm_head = Linear(embed) if c.tie_word_embeddings else mat(vocab, e)
+    return LlamaModel(c, embed, layers, ones(e), lm_head, tp=tp)
