@@ -134,3 +134,92 @@ def test_indivisible_sizes_are_refused_with_the_choices(models):
         check_divisible(config, 4)
     with pytest.raises(ValueError, match="positive integer"):
         check_divisible(config, 0)
+
+
+# ---------------------------------------------------------------- the engine
+def test_llm_with_two_ranks_equals_one(models):
+    """`LLM(..., tensor_parallel_size=2)`: rank 0 here, one worker process; greedy
+    tokens and log-probs equal the one-process engine's, each rank caches half
+    the KV heads, and close() leaves no process behind."""
+    from pagedllm import LLM, SamplingParams
+
+    sp = SamplingParams(
+        max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=1
+    )
+    settings = dict(device="cpu", dtype="float32", kv_cache_mib=1, block_size=4)
+    one = LLM(models[0], **settings)
+    want = one.generate(PROMPTS, sp)
+    with LLM(models[0], tensor_parallel_size=2, **settings) as two:
+        procs = two.engine.workers.procs
+        assert [p.is_alive() for p in procs] == [True]
+        got = two.generate(PROMPTS, sp)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        for g, w in zip(got, want):
+            assert g.prompt_logprobs[0] is None and len(g.prompt_logprobs) == len(
+                g.prompt_token_ids
+            )
+            for gl, wl in zip(
+                g.logprobs + g.prompt_logprobs[1:], w.logprobs + w.prompt_logprobs[1:]
+            ):
+                assert gl.keys() == wl.keys()
+                assert all(abs(gl[t] - wl[t]) < 1e-4 for t in gl)
+        shape = two.engine.runner.kv_caches[0][0].shape
+        assert shape[2] * 2 == one.engine.runner.kv_caches[0][0].shape[2]
+        again = two.generate(PROMPTS[:1], sp)  # the prefix cache serves rank 0 and 1 alike
+        assert again[0].token_ids == want[0].token_ids
+    assert [p.is_alive() for p in procs] == [False]
+    two.close()  # twice is fine
+
+
+def test_what_cannot_work_is_refused_before_any_process_starts(models):
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.engine_config import EngineConfig
+
+    config = EngineConfig(model=models[0], device="cpu", tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 does not divide .* 2 KV heads"):
+        LLMEngine(config, log=lambda m: None)
+    model = load_model(models[0], "cpu", "float32")
+    with pytest.raises(ValueError, match="give the model's path"):
+        LLMEngine(config.replace(tensor_parallel_size=2), model, log=lambda m: None)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+WORKER_DIES = """
+import os, sys, time
+from pagedllm import LLM, SamplingParams
+
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], device="cpu", dtype="float32", kv_cache_mib=1, tensor_parallel_size=2)
+    llm.generate([[5, 9, 13]], SamplingParams(max_tokens=2))
+    print(llm.engine.workers.procs[0].pid, flush=True)
+    while True:  # keep stepping: the engine must not hang once its worker is gone
+        llm.generate([[5, 9, 13]], SamplingParams(max_tokens=4, ignore_eos=True))
+        time.sleep(0.01)
+"""
+
+
+def test_a_worker_that_dies_ends_the_engine_loudly(models, tmp_path):
+    """SIGKILL the worker mid-run: rank 0 reports the rank and exits 1, no hang."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "dies.py"
+    script.write_text(WORKER_DIES)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), models[0]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        worker = int(proc.stdout.readline())
+        os.kill(worker, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    assert "tensor-parallel worker rank 1 exited with code -9" in err

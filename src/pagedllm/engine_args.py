@@ -163,6 +163,12 @@ _FLAGS: dict[str, _Flag] = {
         switch=True,
         unset="on with CUDA, off on the CPU",
     ),
+    "tensor_parallel_size": _Flag(
+        "split the model over N GPUs (CPU: N processes), one process each; "
+        "N must divide the model's KV heads",
+        positive_int,
+        "N",
+    ),
 }
 
 

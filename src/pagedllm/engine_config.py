@@ -48,6 +48,10 @@ class EngineConfig:
     # host's bookkeeping overlaps the device's work (llm_engine._step).
     # None: on for CUDA (where the device runs ahead of the host), off on the CPU.
     async_scheduling: bool | None = None
+    # Ranks (GPUs, or CPU processes) the model is split over: one process each,
+    # this one rank 0 (runner/tp_workers.py). Each rank holds 1/N of the weights
+    # and of the KV heads; kv_cache_mib counts one rank's pool.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         """Check every value before anything is loaded (a load can take many seconds)."""
@@ -66,6 +70,7 @@ class EngineConfig:
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.max_num_batched_tokens < self.max_num_seqs:
             # A decode step computes one token for each running request.

@@ -150,6 +150,16 @@ class LLM:
         """
         return {**self.engine.stats(), "last_call": dict(self._last_run)}
 
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (also done at exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # ------------------------------------------------------------------
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -115,49 +115,63 @@ class LLMEngine:
         self.config = config
         self.num_threads = apply_thread_policy(config.threads)
         t0 = time.perf_counter()
-        model = load_or_check_model(
-            config, model, config.max_model_len or DEFAULT_MAX_MODEL_LEN_CAP
-        )
-        if tokenizer is None and model.source_path is not None:
-            tokenizer = _load_tokenizer(model.source_path, log)
-        self.model = model
-        self.tokenizer = tokenizer
-        self.load_time_s = time.perf_counter() - t0
-        mc = model.config
-        if tokenizer is not None:
-            _check_vocab_sizes(mc.vocab_size, tokenizer.vocab_size, log)
-        # The positions the model was loaded for: its own limit, or fewer when it
-        # was loaded with a smaller max_model_len (its RoPE table ends there).
-        positions = min(mc.max_position_embeddings, model.max_positions)
-        max_model_len = config.max_model_len or positions
-        if config.max_model_len is None and positions < mc.max_position_embeddings:
+        max_positions = config.max_model_len or DEFAULT_MAX_MODEL_LEN_CAP
+        # Tensor parallelism: the other ranks start first, so they load their
+        # shards while this process loads rank 0's.
+        self.workers = _start_workers(config, model, max_positions)
+        try:
+            model = load_or_check_model(
+                config, model, max_positions, None if self.workers is None else self.workers.tp
+            )
+            if tokenizer is None and model.source_path is not None:
+                tokenizer = _load_tokenizer(model.source_path, log)
+            self.model = model
+            self.tokenizer = tokenizer
+            self.load_time_s = time.perf_counter() - t0
+            mc = model.config
+            if tokenizer is not None:
+                _check_vocab_sizes(mc.vocab_size, tokenizer.vocab_size, log)
+            # The positions the model was loaded for: its own limit, or fewer when it
+            # was loaded with a smaller max_model_len (its RoPE table ends there).
+            positions = min(mc.max_position_embeddings, model.max_positions)
+            max_model_len = config.max_model_len or positions
+            if config.max_model_len is None and positions < mc.max_position_embeddings:
+                log(
+                    f"max_model_len {positions} of the model's {mc.max_position_embeddings} "
+                    f"positions; pass --max-model-len (max_model_len) for more"
+                )
+            if max_model_len > positions:
+                raise ValueError(
+                    f"max_model_len {max_model_len} exceeds the {positions} positions "
+                    f"this model was loaded for; give at most {positions}"
+                )
+            self.max_model_len = max_model_len
+            kv_spec, why = plan_kv_cache(
+                model, config.block_size, config.kv_cache_mib, max_model_len, config.max_num_seqs
+            )
+            self.kv_spec = kv_spec
+            per_rank = "" if self.workers is None else f" per rank (x{config.tensor_parallel_size})"
             log(
-                f"max_model_len {positions} of the model's {mc.max_position_embeddings} "
-                f"positions; pass --max-model-len (max_model_len) for more"
+                f"KV cache: {plural(kv_spec.num_blocks, 'page')} of {kv_spec.block_size} tokens "
+                f"= {plural(kv_spec.num_tokens, 'token')}, {kv_spec.mib:.1f} MiB{per_rank}; "
+                f"sized by {why}"
             )
-        if max_model_len > positions:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the {positions} positions "
-                f"this model was loaded for; give at most {positions}"
+            runner_settings = dict(
+                kv_spec=kv_spec,
+                max_model_len=max_model_len,
+                max_num_seqs=config.max_num_seqs,
+                # Not yet with tensor parallelism: a replayed graph runs no Python, and the
+                # workers' collectives would need graphs of their own.
+                use_cuda_graphs=config.cuda_graphs_wanted() and self.workers is None,
+                ops_mode=config.ops_mode(),
+                max_num_batched_tokens=config.max_num_batched_tokens,
             )
-        self.max_model_len = max_model_len
-        kv_spec, why = plan_kv_cache(
-            model, config.block_size, config.kv_cache_mib, max_model_len, config.max_num_seqs
-        )
-        self.kv_spec = kv_spec
-        log(
-            f"KV cache: {plural(kv_spec.num_blocks, 'page')} of {kv_spec.block_size} tokens "
-            f"= {plural(kv_spec.num_tokens, 'token')}, {kv_spec.mib:.1f} MiB; sized by {why}"
-        )
-        self.runner = ModelRunner(
-            model,
-            kv_spec,
-            max_model_len,
-            config.max_num_seqs,
-            use_cuda_graphs=config.cuda_graphs_wanted(),
-            ops_mode=config.ops_mode(),
-            max_num_batched_tokens=config.max_num_batched_tokens,
-        )
+            self.runner = ModelRunner(model, workers=self.workers, **runner_settings)
+            if self.workers is not None:
+                self.workers.send(("runner", runner_settings))  # each builds the same runner
+        except BaseException:
+            self.close()
+            raise
         self.block_manager = BlockManager(
             kv_spec.num_blocks, kv_spec.block_size, enable_caching=config.prefix_caching
         )
@@ -185,7 +199,10 @@ class LLMEngine:
         # A step queued on the device whose results the next _step collects
         # (async scheduling only; a runner LaunchedStep).
         self._inflight = None
-        self.async_scheduling = config.async_scheduling_wanted(model.device.type)
+        # Not yet with tensor parallelism: a queued step's input ids live on rank 0's device.
+        self.async_scheduling = (
+            config.async_scheduling_wanted(model.device.type) and self.workers is None
+        )
         self.num_steps_planned_ahead = 0
         # A timeline.StepRecorder while pictures are wanted (`pagedllm --plot`); else None.
         self.recorder = None
@@ -196,6 +213,12 @@ class LLMEngine:
         self.num_decode_steps = 0
         self.num_requests = 0
         self.num_output_tokens = 0
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent). An engine of one
+        process holds nothing that needs closing."""
+        if self.workers is not None:
+            self.workers.close()
 
     # ------------------------------------------------------------------
     def add_request(
@@ -661,3 +684,37 @@ __all__ = [
     "RequestStatus",
     "StepOutput",
 ]
+
+
+def _start_workers(config: EngineConfig, model: Any, max_positions: int):
+    """Ranks 1..N-1 of a tensor-parallel engine (None when tensor_parallel_size is 1)."""
+    if config.tensor_parallel_size == 1:
+        return None
+    from pagedllm.model.loader import read_model_config, resolve_device
+    from pagedllm.model.parallel import check_divisible
+    from pagedllm.resolve import resolve_model_path
+    from pagedllm.runner.tp_workers import TPWorkers, WorkerSetup
+
+    if model is not None:
+        raise ValueError(
+            "tensor_parallel_size > 1 loads the model in every rank's process: give the "
+            "model's path (model=...), not a loaded model"
+        )
+    # What can be known before any process starts is checked here, so that it is a
+    # plain ValueError (a worker that fails ends the whole process: tp_workers.py).
+    path = resolve_model_path(config.model)
+    check_divisible(read_model_config(path), config.tensor_parallel_size)
+    device = resolve_device(config.device)
+    if device.index not in (None, 0):
+        raise ValueError(
+            f"device={str(config.device)!r}: with tensor parallelism rank r runs on cuda:r; "
+            "give device='cuda'"
+        )
+    setup = WorkerSetup(
+        str(path),
+        device.type,
+        None if config.dtype is None else str(config.dtype).removeprefix("torch."),
+        max_positions,
+        config.threads,
+    )
+    return TPWorkers(config.tensor_parallel_size, setup)

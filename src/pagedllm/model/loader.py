@@ -117,6 +117,18 @@ def load_model(
     return model
 
 
+def read_model_config(path: str | Path | None = None) -> ModelConfig:
+    """The config of the model at `path` (None: the default model) without reading
+    its weights: config.json, or a GGUF's header. Whether the head is tied is
+    decided at load time (a GGUF without output.weight ties it)."""
+    model_path = resolve_model_path(path)
+    if is_gguf(model_path):
+        from pagedllm.gguf_metadata import read_gguf_metadata
+
+        return ModelConfig.from_gguf_metadata(read_gguf_metadata(model_path), str(model_path))
+    return ModelConfig.from_hf_dir(model_path)
+
+
 def build_model(
     config: ModelConfig,
     state: dict[str, torch.Tensor],

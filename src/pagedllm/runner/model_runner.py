@@ -25,13 +25,16 @@ from pagedllm.model import load_model
 from pagedllm.model.batch import ForwardBatch
 from pagedllm.model.llama import KVCache, LlamaModel
 from pagedllm.model.loader import resolve_device, resolve_dtype
+from pagedllm.model.parallel import TensorParallel
 from pagedllm.ops import implementation_name
 from pagedllm.request import Request
 from pagedllm.resolve import resolve_model_path
 from pagedllm.runner.batch import HostBatch
 from pagedllm.runner.cuda_graphs import CopyFence, DecodeGraphs, PrefillGraphs
+from pagedllm.runner.tp_workers import TPWorkers
 from pagedllm.sampling import Sampler, SamplingMetadata, compute_logprobs, make_generator
 from pagedllm.scheduler import SchedulerOutput
+from pagedllm.utils import deferred_interrupts
 
 MiB = 1 << 20
 Logprobs = dict[int, float]  # token id -> log-prob: the chosen token and the top k
@@ -84,17 +87,21 @@ class RunnerOutput:
 
 
 def load_or_check_model(
-    config: EngineConfig, model: LlamaModel | None, max_positions: int
+    config: EngineConfig,
+    model: LlamaModel | None,
+    max_positions: int,
+    tp: TensorParallel | None = None,
 ) -> LlamaModel:
     """The engine's model: `model` as given (checked against the config), or
     loaded from `config.model` (the default model when None) for at most
-    `max_positions` positions."""
+    `max_positions` positions; with `tp`, rank 0's slice of it."""
     if model is None:
         return load_model(
             resolve_model_path(config.model),
             config.device,
             config.dtype,
             max_model_len=max_positions,
+            tp=tp,
         )
     if config.device is not None:
         # An already loaded model is used as it is: a device or dtype that says
@@ -164,8 +171,12 @@ class ModelRunner:
         use_cuda_graphs: bool = True,
         ops_mode: str | None = None,
         max_num_batched_tokens: int = 8192,
+        workers: TPWorkers | None = None,
     ) -> None:
+        """`workers`: the other ranks of a tensor-parallel engine (this is rank 0):
+        each step's batch goes to them before the forward pass."""
         self.model = model
+        self.workers = workers
         model.ops_mode = ops_mode
         self.device = model.device
         if self.device.type == "cuda":
@@ -375,8 +386,7 @@ class ModelRunner:
             self.fence.copies_queued()
             if fed is not None:
                 batch.input_ids = fed
-            hidden = self.model.forward(batch, self.kv_caches)
-            logits = self.model.compute_logits(hidden)  # (rows, V) float32
+            logits = self._forward(host, batch)  # (rows, V) float32
         self.host_time_s += time.perf_counter() - t0
         self.num_steps += 1
         prompt_lp = self._prompt_logprobs(logits, plan, full) if full else {}
@@ -429,6 +439,22 @@ class ModelRunner:
                 if entries is not None:
                     logprobs[i] = entries[j]
         return RunnerOutput(sampled, logprobs, step.prompt_logprobs)
+
+    def _forward(self, host: HostBatch, batch: ForwardBatch) -> torch.Tensor:
+        """The model's logits for `batch`; with tensor-parallel workers, every rank
+        runs it at once (they meet in its collectives)."""
+        if self.workers is None:
+            return self.model.compute_logits(self.model.forward(batch, self.kv_caches))
+        # Once the workers have the batch, rank 0 must reach the end of the forward
+        # pass too: a Ctrl-C waits for it, and any other failure leaves the ranks
+        # out of step for good (the workers wait in a collective rank 0 left).
+        with deferred_interrupts():
+            self.workers.send(("step", host))
+            try:
+                return self.model.compute_logits(self.model.forward(batch, self.kv_caches))
+            except BaseException as e:
+                self.workers.mark_broken(e)
+                raise
 
     def _generator(self, req: Request) -> torch.Generator | None:
         """A seeded request's own generator, made at its first sample and kept until it finishes."""
