@@ -223,3 +223,49 @@ def test_a_worker_that_dies_ends_the_engine_loudly(models, tmp_path):
         proc.kill()
     assert proc.returncode == 1, err
     assert "tensor-parallel worker rank 1 exited with code -9" in err
+
+
+def test_a_rank_of_the_gguf_holds_its_slices(smollm2, smollm2_path):
+    """Rank 1 of 3 loading the default GGUF (9 heads, 3 KV heads, I = 1536): its
+    weights are the whole model's rows and columns for that rank, no more."""
+    part = load_model(smollm2_path, "cpu", "float32", tp=TensorParallel(1, 3))
+    whole, c = smollm2, smollm2.config
+    d, e = c.head_dim, c.hidden_size
+    assert (part.config.num_attention_heads, part.config.num_key_value_heads) == (3, 1)
+    qkv = whole.layers[0].qkv_proj.weight  # (q | k | v, E)
+    q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size])
+    want = torch.cat([q[3 * d : 6 * d], k[d : 2 * d], v[d : 2 * d]])
+    assert torch.equal(part.layers[0].qkv_proj.weight, want)
+    assert torch.equal(
+        part.layers[0].o_proj.weight, whole.layers[0].o_proj.weight[:, 3 * d : 6 * d]
+    )
+    gate, up = whole.layers[0].gate_up_proj.weight.split(c.intermediate_size)
+    i = c.intermediate_size // 3
+    assert torch.equal(
+        part.layers[0].gate_up_proj.weight, torch.cat([gate[i : 2 * i], up[i : 2 * i]])
+    )
+    assert torch.equal(
+        part.layers[0].down_proj.weight, whole.layers[0].down_proj.weight[:, i : 2 * i]
+    )
+    v3 = c.vocab_size // 3
+    assert torch.equal(part.embed_tokens, whole.embed_tokens[v3 : 2 * v3])
+    assert part.embed_tokens.shape == (v3, e) and torch.equal(part.norm, whole.norm)
+
+
+def test_dummy_weights_are_made_per_rank(models):
+    """load_format="dummy" with two ranks: each makes only its slice (the shape
+    from config.json), and the engine runs; the same seed gives the same run."""
+    from pagedllm import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    settings = dict(device="cpu", dtype="float32", kv_cache_mib=1, load_format="dummy")
+    runs = []
+    for _ in range(2):
+        with LLM(models[1], tensor_parallel_size=2, **settings) as llm:
+            whole = llm.engine.model.config  # rank 0's: half the heads and MLP width
+            assert (whole.num_attention_heads, whole.intermediate_size) == (2, 64)
+            assert llm.engine.model.embed_tokens.shape[0] == 256  # 512 / 2 rows
+            runs.append([o.token_ids for o in llm.generate(PROMPTS, sp)])
+    assert runs[0] == runs[1] and all(len(t) == 5 for t in runs[0])
+    with pytest.raises(ValueError, match="takes its shape from an HF directory"):
+        load_model(None, "cpu", load_format="dummy")  # the default model is a .gguf file

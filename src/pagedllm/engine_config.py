@@ -25,11 +25,15 @@ BATCHING_POLICIES = ("continuous", "static")
 # runs out of pages, preempt the most recently admitted request by recompute.
 ADMISSION_POLICIES = ("reserve", "optimistic")
 OPS_CHOICES = ("auto", "reference", "triton")
+# "auto": read the weights; "dummy": random weights of the config's shape, made on
+# the device (speed work: `model` is then an HF directory, or a preset's).
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # a path, or None for the default model
+    load_format: str = "auto"  # see LOAD_FORMATS
     device: str | None = None  # "cpu", "cuda", "cuda:1"; None: CUDA when present
     dtype: str | None = None  # "float32", "bfloat16", "float16"; None: per device
     kv_cache_mib: float | None = None  # K+V of all layers; None: sized from free memory
@@ -57,6 +61,7 @@ class EngineConfig:
         """Check every value before anything is loaded (a load can take many seconds)."""
         _check_choice("batching", self.batching, BATCHING_POLICIES)
         _check_choice("admission", self.admission, ADMISSION_POLICIES)
+        _check_choice("load_format", self.load_format, LOAD_FORMATS)
         if self.ops is not None:
             _check_choice("ops", self.ops, OPS_CHOICES)
         for name in ("prefix_caching", "chunked_prefill"):

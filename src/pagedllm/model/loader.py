@@ -22,7 +22,13 @@ import torch
 from pagedllm.config import ModelConfig
 from pagedllm.model.linear import Linear
 from pagedllm.model.llama import LayerWeights, LlamaModel
-from pagedllm.model.parallel import TensorParallel, check_divisible, shard_config, shard_weight
+from pagedllm.model.parallel import (
+    TensorParallel,
+    check_divisible,
+    shard_config,
+    shard_weight,
+    sharded_shape,
+)
 from pagedllm.resolve import is_gguf, resolve_model_path
 
 _DTYPES = {
@@ -82,10 +88,13 @@ def load_model(
     *,
     max_model_len: int | None = None,
     tp: TensorParallel | None = None,
+    load_format: str = "auto",
 ) -> LlamaModel:
     """Load a Llama-family model; `path=None` means the default SmolLM2 GGUF.
 
     `tp`: load only this rank's slice of each weight (see `model/parallel.py`).
+    `load_format="dummy"`: no weights are read; `path` is an HF directory whose
+    config.json gives the shape, and the weights are random (`dummy_model`).
 
     `max_model_len`: the longest sequence the caller will run; the RoPE table is
     built for min(max_position_embeddings, max_model_len) positions (all of the
@@ -98,10 +107,23 @@ def load_model(
     model_path = resolve_model_path(path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    if load_format == "dummy":
+        if not model_path.is_dir():
+            raise ValueError(
+                f"{model_path}: load_format 'dummy' takes its shape from an HF directory's "
+                "config.json; give a directory (or a preset)"
+            )
+        return dummy_model(ModelConfig.from_hf_dir(model_path), dev, dt, tp=tp)
+    if load_format != "auto":
+        raise ValueError(f"load_format {load_format!r}: choose 'auto' or 'dummy'")
+    # A tensor-parallel rank keeps (and copies from the file) only its slices.
+    select = None if tp is None else (lambda name, t: shard_weight(name, t, tp))
     if is_gguf(model_path):
         from pagedllm.weights import load_gguf_state_dict
 
-        metadata, state = load_gguf_state_dict(model_path, device="cpu", dtype=torch.float32)
+        metadata, state = load_gguf_state_dict(
+            model_path, device="cpu", dtype=torch.float32, select=select
+        )
         config = ModelConfig.from_gguf_metadata(metadata, source=str(model_path))
         # A GGUF with no output.weight ties the LM head to the embeddings.
         config = dataclasses.replace(config, tie_word_embeddings="lm_head.weight" not in state)
@@ -109,9 +131,16 @@ def load_model(
         from pagedllm.weights import load_safetensors_dir
 
         config = ModelConfig.from_hf_dir(model_path)
-        state = load_safetensors_dir(model_path, device="cpu")
+        state = load_safetensors_dir(model_path, device="cpu", select=select)
     model = build_model(
-        config, state, dev, dt, source=str(model_path), max_model_len=max_model_len, tp=tp
+        config,
+        state,
+        dev,
+        dt,
+        source=str(model_path),
+        max_model_len=max_model_len,
+        tp=tp,
+        sharded=tp is not None,
     )
     model.source_path = model_path
     return model
@@ -137,12 +166,14 @@ def build_model(
     source: str = "model",
     max_model_len: int | None = None,
     tp: TensorParallel | None = None,
+    sharded: bool = False,
 ) -> LlamaModel:
     """Check names and shapes, fuse QKV and gate/up, and move everything to device/dtype once.
 
     `state` must hold exactly the config's weights (see `check_no_unused_weights`).
     `max_model_len` bounds the RoPE table (see `load_model`). `tp`: keep only this
-    rank's slice of each weight (shapes are checked whole, before slicing).
+    rank's slice of each weight; `sharded`: `state` holds those slices already
+    (each checked against its share of the config's shape).
     """
     config = _resolve_tied_head(config, state, source)
     check_no_unused_weights(config, state, source)
@@ -154,11 +185,14 @@ def build_model(
         if name not in state:
             raise ValueError(f"{source}: weight {name!r} is missing")
         t = state[name]
+        if sharded:
+            shape = sharded_shape(name, shape, tp)
         if tuple(t.shape) != shape:
             raise ValueError(
                 f"{source}: weight {name!r} has shape {tuple(t.shape)}, config implies {shape}"
+                + (f" (rank {tp.rank} of {tp.size}'s slice)" if sharded else "")
             )
-        return t if tp is None else shard_weight(name, t, tp)
+        return t if tp is None or sharded else shard_weight(name, t, tp)
 
     def put(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype).contiguous()

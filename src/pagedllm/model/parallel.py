@@ -124,6 +124,19 @@ _SPLIT = {
 }
 
 
+def sharded_shape(name: str, shape: tuple[int, ...], tp: TensorParallel) -> tuple[int, ...]:
+    """The shape `shard_weight` gives weight `name` of the whole `shape`."""
+    how = _SPLIT.get(".".join(name.split(".")[-2:]))
+    if how is None or tp.size == 1:
+        return shape
+    if how == "rows":
+        return (shape[0] // tp.size, *shape[1:])
+    if how == "cols":
+        return (shape[0], shape[1] // tp.size)
+    start, end = tp.vocab_rows(shape[0])
+    return (end - start, *shape[1:])
+
+
 def shard_weight(name: str, t: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """This rank's slice of HF weight `name` (a view where it can be: a memory-mapped
     file then reads only the slice's bytes)."""

@@ -102,6 +102,7 @@ def load_or_check_model(
             config.dtype,
             max_model_len=max_positions,
             tp=tp,
+            load_format=config.load_format,
         )
     if config.device is not None:
         # An already loaded model is used as it is: a device or dtype that says

@@ -67,6 +67,7 @@ class WorkerSetup:
     dtype: str | None
     max_positions: int
     threads: int | None
+    load_format: str = "auto"  # or "dummy": random weights, this rank's slice
 
 
 def rank_device(device_type: str, rank: int) -> torch.device:
@@ -241,7 +242,14 @@ def _worker_loop(rank, size, port, setup: WorkerSetup, steps) -> None:
         timeout=COLLECTIVE_TIMEOUT,
     )
     tp = TensorParallel(rank, size)
-    model = load_model(setup.model, device, setup.dtype, max_model_len=setup.max_positions, tp=tp)
+    model = load_model(
+        setup.model,
+        device,
+        setup.dtype,
+        max_model_len=setup.max_positions,
+        tp=tp,
+        load_format=setup.load_format,
+    )
     kind, kwargs = steps.recv()
     if kind != "runner":
         raise RuntimeError(f"expected the runner's settings first, got {kind!r}")

@@ -27,7 +27,7 @@ from pagedllm.engine_args import add_engine_arguments, engine_config_from_args, 
 from pagedllm.model_source import (
     ModelSpec,
     add_model_source_arguments,
-    load_model,
+    engine_model,
     load_tokenizer,
     model_spec_from_args,
 )
@@ -101,11 +101,13 @@ def serve_main(argv: list[str]) -> int:
         print(f"[serve] {message}", file=sys.stderr)
 
     try:
-        model = None
         if spec.load_format == "dummy":
             log(f"{spec.describe()}: making random weights")
-            model = load_model(spec, config.device, config.dtype)
-        engine = LLMEngine(config, model, load_tokenizer(spec, log), log=log)
+        # The engine loads the model itself (every rank its own slice, with
+        # --tensor-parallel-size): a preset is its directory with dummy weights.
+        engine = LLMEngine(
+            config.replace(**engine_model(spec)), None, load_tokenizer(spec, log), log=log
+        )
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1

@@ -484,6 +484,7 @@ def load_gguf_state_dict(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     strict: bool = True,
+    select: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Metadata and Hugging Face-named, dequantized tensors of a llama.cpp Llama GGUF.
 
@@ -494,7 +495,9 @@ def load_gguf_state_dict(
     `rope_freqs.weight` is ignored: we compute llama3 RoPE scaling from the
     metadata. Any other unknown tensor is an error (`strict=True`, the default:
     a weight we would drop silently is a wrong model) or skipped with a warning
-    naming it (`strict=False`).
+    naming it (`strict=False`). `select(hf_name, tensor)`: the part of each
+    dequantized tensor to keep (a tensor-parallel rank's slice), taken before
+    the next is dequantized.
     """
     with GGUFFile(path) as g:
         meta = g.metadata
@@ -551,5 +554,5 @@ def load_gguf_state_dict(
                         f"{g.path}: tensor {name!r}: {e}; check the attention.head_count "
                         "metadata against the tensor shapes"
                     ) from None
-            tensors[target] = t
+            tensors[target] = t if select is None else select(target, t).clone()
     return meta, tensors

@@ -41,6 +41,7 @@ import json
 import math
 import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -385,6 +386,7 @@ def load_safetensors_dir(
     path: str | os.PathLike[str],
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
+    select: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint, under its name in the file (Hugging Face names).
 
@@ -392,6 +394,8 @@ def load_safetensors_dir(
     `model.safetensors`) or a single `.safetensors` file. Each tensor is
     copied once, from the mapping straight to `device` and `dtype` (None keeps
     the file's dtype), so the result never refers to the mapped file.
+    `select(name, view)`: the part of each tensor to keep (a slice of the mapped
+    view: a tensor-parallel rank copies only its own slice).
     """
     path = Path(path)
     weight_map: dict[str, str] | None = None
@@ -408,6 +412,8 @@ def load_safetensors_dir(
                 if name in out:
                     raise ValueError(f"{file}: tensor {name!r} also appears in another shard")
                 view = st.get_tensor(name)
+                if select is not None:
+                    view = select(name, view)
                 out[name] = view.to(
                     device=device, dtype=view.dtype if dtype is None else dtype, copy=True
                 )
