@@ -49,7 +49,7 @@ from pagedllm.engine_args import (
 from pagedllm.engine_config import EngineConfig
 from pagedllm.sampling_params import SamplingParams
 
-SUBCOMMANDS = ("tokenize", "detokenize", "bench", "serve", "trace")
+SUBCOMMANDS = ("tokenize", "detokenize", "bench", "serve", "trace", "inspect")
 PROG = "pagedllm"
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 1, 2, 130, 141
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -113,6 +113,10 @@ def _subcommand(name: str) -> Callable[[list[str]], int]:
         from pagedllm.trace import trace_main
 
         return trace_main
+    if name == "inspect":
+        from pagedllm.inspect_model import inspect_main
+
+        return inspect_main
     from pagedllm.bench.cli import bench_main
 
     return bench_main

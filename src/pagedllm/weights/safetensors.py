@@ -296,6 +296,15 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entry(name).shape
 
+    def byte_range(self, name: str) -> tuple[int, int]:
+        """[start, end) of the tensor's bytes in the file (absolute offsets)."""
+        entry = self._entry(name)
+        return self._data_start + entry.begin, self._data_start + entry.end
+
+    def dtype_name(self, name: str) -> str:
+        """The file's own name for the tensor's type ("BF16", "F32", ...)."""
+        return self._entry(name).dtype_name
+
     def dtype(self, name: str) -> torch.dtype:
         return _DTYPES[self._entry(name).dtype_name][0]
 
