@@ -600,3 +600,24 @@ def test_the_cli_applies_threads_before_loading(monkeypatch, capsys):
         assert seen == [1]
     finally:
         torch.set_num_threads(before)
+
+
+def test_triton_on_the_cpu_without_the_interpreter_says_how(smollm2_path):
+    """--ops triton on a CPU run whose Triton compiles (no TRITON_INTERPRET): one line
+    saying to set it, exit 1, not a driver traceback."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    code = (
+        "import sys, torch; from pagedllm.cli import main; "
+        "sys.exit(0 if torch.cuda.is_available() else main(['--ops', 'triton', '--device', "
+        "'cpu', 'Hi', '1']))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if proc.returncode == 0:
+        pytest.skip("a GPU machine")
+    assert proc.returncode == 1, proc.stderr
+    assert "start with TRITON_INTERPRET=1" in proc.stderr.splitlines()[-1]

@@ -82,7 +82,7 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}): a step holds one token of each running "
-                f"request; lower max_num_seqs (--max-num-seqs) too"
+                f"request; or lower max_num_seqs"
             )
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 2)

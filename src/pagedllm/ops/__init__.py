@@ -76,8 +76,24 @@ def implementation(device: torch.device | str, mode: str | None = None) -> Modul
                     "installed (pip install triton)"
                 )
             return reference
+        if torch.device(device).type == "cpu" and not _interpreted():
+            raise ValueError(
+                "ops mode 'triton' on the CPU runs Triton's interpreter, which is switched "
+                "on when Triton is first imported: start with TRITON_INTERPRET=1 in the "
+                "environment (slow: for testing the kernels), or use --ops reference"
+            )
         return mod
     return reference
+
+
+@lru_cache(maxsize=1)
+def _interpreted() -> bool:
+    """Whether the Triton kernels run in the interpreter (TRITON_INTERPRET=1 at import)."""
+    import triton
+
+    from pagedllm.ops import triton_attention
+
+    return not isinstance(triton_attention._decode_kernel, triton.runtime.jit.JITFunction)
 
 
 def implementation_name(device: torch.device | str, mode: str | None = None) -> str:

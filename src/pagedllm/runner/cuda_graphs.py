@@ -194,8 +194,9 @@ class DecodeGraphs:
 
 def prefill_buckets(max_tokens: int) -> list[int]:
     """Token counts of the prefill graphs: every 16 up to 256, every 64 up to
-    1,024, every 256 up to 2,048 and `max_tokens` (at most 25 % padding above
-    256). Longer prompts keep the GPU busy longer than their launches take."""
+    1,024 and every 256 up to 2,048 (at most 25 % padding above 256), none above
+    `max_tokens` (which need not be a bucket itself). Longer prompts keep the GPU
+    busy longer than their launches take, and run eagerly."""
     sizes = list(range(16, 257, 16)) + list(range(320, 1025, 64)) + list(range(1280, 2049, 256))
     return [t for t in sizes if t <= max_tokens]
 

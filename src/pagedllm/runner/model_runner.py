@@ -214,7 +214,7 @@ class ModelRunner:
         self._dirty_rows: set[int] = set()
         self._rows = np.arange(max_num_seqs)
         self._arange32 = np.arange(max_num_seqs + 1, dtype=np.int32)
-        self.sampler = Sampler()
+        self.sampler = Sampler(ops_mode)
         self._generators: dict[int, torch.Generator] = {}  # seeded requests only
         # Waited on before the host memory that copies read from is rewritten.
         self.fence = CopyFence(enabled=self.pin)

@@ -363,7 +363,11 @@ def compute_logprobs(logits: Tensor, num_logprobs: int, token_ids: Tensor) -> Lo
 
 
 class Sampler:
-    """logits (B, V) + SamplingMetadata -> SamplerOutput. Stateless."""
+    """logits (B, V) + SamplingMetadata -> SamplerOutput. Stateless but for
+    `ops_mode` (which argmax runs: `ops.implementation(device, ops_mode)`)."""
+
+    def __init__(self, ops_mode: str | None = None) -> None:
+        self.ops_mode = ops_mode
 
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raw_logits = logits
@@ -390,10 +394,10 @@ class Sampler:
             logprobs = compute_logprobs(raw_logits, meta.max_num_logprobs, sampled)
         return SamplerOutput(sampled, logprobs)
 
-    @staticmethod
-    def sample(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    def sample(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
         # Greedy rows: Triton's two-stage argmax on CUDA (torch's ran as one block).
-        greedy = None if meta.all_random else ops.implementation(logits.device).argmax(logits)
+        impl = ops.implementation(logits.device, self.ops_mode)
+        greedy = None if meta.all_random else impl.argmax(logits)
         if meta.all_greedy:
             return greedy
         logits = logits / meta.temperature[:, None]
