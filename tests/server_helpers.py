@@ -33,10 +33,12 @@ class Server:
         api_key: str | None = None,
         max_queued: int = 1024,
         app_options: dict | None = None,
+        path: str | None = None,
         **settings,
     ):
-        """`app_options`: more keyword arguments of build_app; `settings`: EngineConfig's."""
-        config = EngineConfig(kv_cache_mib=64, admission="optimistic", **settings)
+        """`model`: a loaded model, or None to load `path`; `app_options`: more keyword
+        arguments of build_app; `settings`: EngineConfig's."""
+        config = EngineConfig(kv_cache_mib=64, admission="optimistic", model=path, **settings)
         self.engine = LLMEngine(config, model, log=lambda s: None)
         self.thread = EngineThread(self.engine)
         self.thread.start()

@@ -171,6 +171,25 @@ def test_config_llama31_8b_preset():
     assert c.rope_scaling is not None and c.rope_scaling.factor == 8.0
 
 
+def test_config_llama31_70b_preset():
+    """Meta's Llama-3.1-70B shape: 80 layers, GQA 64/8, 141 GB of bf16 weights, and
+    it splits over 2, 4 or 8 tensor-parallel ranks."""
+    from pagedllm.model.parallel import check_divisible, shard_config
+    from pagedllm.presets import preset_dir
+
+    c = ModelConfig.from_hf_dir(preset_dir("llama-3.1-70b"))
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size) == (128256, 8192, 28672)
+    assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (80, 64, 8)
+    assert c.head_dim == 128 and not c.tie_word_embeddings
+    assert c.rope_scaling is not None and c.rope_scaling.factor == 8.0
+    layer = 2 * c.hidden_size * (c.q_size + c.kv_size) + 3 * c.hidden_size * c.intermediate_size
+    params = c.num_hidden_layers * layer + 2 * c.vocab_size * c.hidden_size
+    assert round(params * 2 / 1e9) == 141  # bf16 bytes
+    for n in (2, 4, 8):
+        check_divisible(c, n)
+    assert shard_config(c, 2).num_key_value_heads == 4
+
+
 def test_missing_default_model_gives_install_command(monkeypatch):
     import importlib.util
 

@@ -269,3 +269,42 @@ def test_dummy_weights_are_made_per_rank(models):
     assert runs[0] == runs[1] and all(len(t) == 5 for t in runs[0])
     with pytest.raises(ValueError, match="takes its shape from an HF directory"):
         load_model(None, "cpu", load_format="dummy")  # the default model is a .gguf file
+
+
+def test_the_server_reports_a_dead_worker_on_health(models):
+    """pagedllm serve with two ranks: it serves; when the worker dies, /health turns
+    503 naming the rank, and new requests are refused (the process stays up)."""
+    import os
+    import signal
+    import time
+    import urllib.error
+    import urllib.request
+
+    from server_helpers import Server
+
+    server = Server(None, path=models[0], device="cpu", dtype="float32", tensor_parallel_size=2)
+    try:
+        client = server.client()
+        done = client.completions.create(model="smollm2-test", prompt=[5, 9, 13], max_tokens=3)
+        assert len(done.choices[0].text) > 0 or done.usage.completion_tokens == 3
+        with urllib.request.urlopen(server.url + "/health") as r:
+            assert r.status == 200
+        os.kill(server.engine.workers.procs[0].pid, signal.SIGKILL)
+        deadline = time.time() + 20
+        while True:
+            try:
+                urllib.request.urlopen(server.url + "/health").close()
+            except urllib.error.HTTPError as e:
+                body = e.read().decode()
+                assert e.code == 503 and "worker rank 1 exited with code -9" in body
+                break
+            assert time.time() < deadline, "/health stayed 200"
+            time.sleep(0.1)
+        import openai
+
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model="smollm2-test", prompt=[5, 9], max_tokens=2)
+        assert refused.value.status_code == 503
+    finally:
+        server.stop()
+        server.engine.close()

@@ -142,6 +142,7 @@ def serve_main(argv: list[str]) -> int:
         server.run()
     finally:
         thread.stop()  # aborts what is left; pages go back
+        engine.close()  # tensor-parallel workers, if any
     return 0
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import sys
 import threading
 import traceback
 from collections.abc import AsyncIterator, Sequence
@@ -56,6 +57,10 @@ class EngineThread:
         self._stop = threading.Event()
         self.error: str | None = None  # why the thread died, if it did
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        if getattr(engine, "workers", None) is not None:
+            # A tensor-parallel worker that dies: /health says so at once (503) and
+            # new requests are refused, instead of the process exiting.
+            engine.workers.on_failure = self.fail
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -65,6 +70,14 @@ class EngineThread:
         self._stop.set()
         self._work.set()
         self._thread.join(timeout)
+
+    def fail(self, message: str) -> None:
+        """The engine cannot go on (called from another thread): stop serving. An
+        idle thread stops now; one blocked in a step stops when the step fails."""
+        print(f"pagedllm serve: {message}", file=sys.stderr, flush=True)
+        self.error = message
+        self._stop.set()
+        self._work.set()
 
     @property
     def alive(self) -> bool:
