@@ -340,6 +340,23 @@ def test_pages_plot_draws_pages_in_use(tiny_dir, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_throughput_plot_draws_the_runs_pictures(tiny_dir, tmp_path, capsys):
+    """`bench throughput --plot DIR`: the three pictures of one more (untimed) run
+    of the workload, every request on the timeline; --plot is refused elsewhere."""
+    plt = pytest.importorskip("matplotlib.pyplot", reason="the plot extra: pip install matplotlib")
+    out = tmp_path / "run"
+    argv = ["throughput", "--model", str(tiny_dir), *SMALL, *TINY_RUNS["throughput"]]
+    assert bench_main([*argv, "--plot", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert _last_json(captured.out)["plot"] == str(out)
+    for name in ("pages.png", "timeline.png", "tokens.png"):
+        assert f"wrote {out / name}" in captured.err
+        image = plt.imread(out / name)
+        assert image.shape[0] > 200 and image.shape[1] > 500 and image.std() > 0.05
+    assert bench_main(["latency", "--model", str(tiny_dir), "--plot", str(out)]) == 2
+    assert "--plot applies to pages and throughput only" in capsys.readouterr().err
+
+
 def test_trace_pages_records_every_step(tiny_dir):
     """The figure of the plot: pages in use after each step, back to 0 at the end."""
     from pagedllm.bench import ours

@@ -27,6 +27,7 @@ from pagedllm.engine.timeline import DECODE, PREFILL, WAITING, StepRecorder
 
 PHASE_COLOURS = {WAITING: "#d9d9d9", PREFILL: "#f28e2b", DECODE: "#4e79a7"}
 FILES = ("pages.png", "timeline.png", "tokens.png")
+LABELLED_REQUESTS = 24  # above this many requests, no per-request labels or legend
 
 
 def plot_run(recorder: StepRecorder, directory: str | Path, title: str = "") -> list[Path]:
@@ -42,6 +43,7 @@ def plot_run(recorder: StepRecorder, directory: str | Path, title: str = "") -> 
     paths = [out / name for name in FILES]
 
     # 1. The page pool.
+    many = len(requests) > LABELLED_REQUESTS  # a benchmark's hundreds: no legend per request
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     try:
         layers = [[s.pages_held.get(rid, 0) for s in steps] for rid in requests]
@@ -55,10 +57,11 @@ def plot_run(recorder: StepRecorder, directory: str | Path, title: str = "") -> 
             free,
             colors=[colours[i % len(colours)] for i in range(len(requests))]
             + ["#bab0ac", "#f2f2f2"],
-            labels=[f"request {rid}" for rid in requests] + ["cached (free)", "free"],
+            labels=([f"request {rid}" for rid in requests] if not many else [None] * len(requests))
+            + ["cached (free)", "free"],
         )
         ax.set_xlabel("engine step")
-        ax.set_ylabel("pages")
+        ax.set_ylabel("pages" + (" (one colour per request)" if many else ""))
         ax.set_ylim(0, steps[0].pages_total)
         ax.set_title(f"The page pool after each step. {title}".strip(), fontsize=9)
         ax.legend(loc="upper right", fontsize=7, ncol=2)
@@ -67,28 +70,48 @@ def plot_run(recorder: StepRecorder, directory: str | Path, title: str = "") -> 
     finally:
         plt.close(fig)
 
-    # 2. The scheduler's timeline.
-    fig, ax = plt.subplots(figsize=(8, 1.4 + 0.35 * len(requests)), dpi=110)
+    # 2. The scheduler's timeline: one row per request, each phase drawn as runs of
+    # consecutive steps (hundreds of requests over a thousand steps stay fast).
+    runs: dict[int, dict[str, list[tuple[float, int]]]] = {rid: {} for rid in requests}
+    for s in steps:
+        for rid, ph in s.phase.items():
+            spans = runs[rid].setdefault(ph, [])
+            if spans and spans[-1][0] + spans[-1][1] == s.step - 0.5:
+                spans[-1] = (spans[-1][0], spans[-1][1] + 1)  # extends the run
+            else:
+                spans.append((s.step - 0.5, 1))
+    row = {rid: i for i, rid in enumerate(requests)}
+    height = min(1.4 + 0.35 * len(requests), 10.0)
+    fig, ax = plt.subplots(figsize=(8, height), dpi=110)
     try:
-        row = {rid: i for i, rid in enumerate(requests)}
+        for rid, phases in runs.items():
+            for ph, spans in phases.items():
+                colour = PHASE_COLOURS.get(ph)
+                if colour is not None:
+                    ax.broken_barh(spans, (row[rid] - 0.35, 0.7), facecolors=colour)
+        marker = 3 if many else 7
         for s in steps:
-            for rid, ph in s.phase.items():
-                ax.barh(row[rid], 1, left=s.step - 0.5, color=PHASE_COLOURS[ph], height=0.7)
             for rid in s.preempted:
-                ax.plot(s.step, row[rid], "v", color="red", markersize=7)
+                ax.plot(s.step, row[rid], "v", color="red", markersize=marker)
             if s.admission_wait:
                 ax.axvline(s.step, color="grey", alpha=0.3, linewidth=1)
-        for rid, step in recorder.finished_at.items():
-            ax.plot(step + 0.5, row[rid], "x", color="black", markersize=6)
-        ax.set_yticks(range(len(requests)), [f"request {rid}" for rid in requests], fontsize=7)
-        ax.invert_yaxis()
+        if not many:
+            for rid, step in recorder.finished_at.items():
+                ax.plot(step + 0.5, row[rid], "x", color="black", markersize=6)
+            ax.set_yticks(range(len(requests)), [f"request {rid}" for rid in requests], fontsize=7)
+        else:
+            ax.set_ylabel(f"{len(requests)} requests, in arrival order", fontsize=8)
+        ax.set_ylim(len(requests) - 0.5, -0.5)  # the first request on top
         ax.set_xlabel("engine step")
         from matplotlib.lines import Line2D
         from matplotlib.patches import Patch
 
         handles = [Patch(color=colour, label=ph) for ph, colour in PHASE_COLOURS.items()]
+        if not many:
+            handles.append(
+                Line2D([], [], marker="x", color="black", linestyle="", label="finished")
+            )
         handles += [
-            Line2D([], [], marker="x", color="black", linestyle="", label="finished"),
             Line2D([], [], marker="v", color="red", linestyle="", label="preempted"),
             Line2D([], [], color="grey", alpha=0.3, label="head of queue waits for pages"),
         ]

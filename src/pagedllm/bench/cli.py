@@ -5,6 +5,7 @@
     pagedllm bench throughput --num-requests 16 --max-prompt-len 128 --max-output-len 64
     pagedllm bench prefix --num-requests 16 --prefix-len 256 --max-num-batched-tokens 512
     pagedllm bench pages --plot pages.png                     # page sizes x admission
+    pagedllm bench throughput --num-requests 16 --plot out/   # the run's timeline and pages
     pagedllm bench serve --request-rate 1,4,inf               # a running server, over HTTP
 
 `prefix` and `pages` compare pagedllm with itself: the same workload on a
@@ -168,9 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--plot",
-        metavar="PATH.png",
-        help="also draw the pages in use per step, one line per admission policy "
-        "(needs matplotlib: the `plot` extra)",
+        metavar="PATH",
+        help="pages: PATH.png, the pages in use per step, one line per admission policy; "
+        "throughput: a directory for pages.png, timeline.png and tokens.png of one more, "
+        "untimed run of the workload (needs matplotlib: the `plot` extra)",
     )
     g.add_argument(
         "--plot-page-size",
@@ -242,7 +244,7 @@ ONLY_FOR = {  # flag dest -> the workload it belongs to
     "prefix_len": "prefix",
     "suffix_len": "prefix",
     "page_sizes": "pages",
-    "plot": "pages",
+    "plot": ("pages", "throughput"),
     "plot_page_size": "pages",
 }
 
@@ -262,8 +264,9 @@ def _check(
         if dest in given:
             parser.error(f"{why}; drop --{dest.replace('_', '-')}")
     for dest, workload in ONLY_FOR.items():
-        if dest in given and args.workload != workload:
-            parser.error(f"--{dest.replace('_', '-')} applies to {workload} only")
+        allowed = (workload,) if isinstance(workload, str) else workload
+        if dest in given and args.workload not in allowed:
+            parser.error(f"--{dest.replace('_', '-')} applies to {' and '.join(allowed)} only")
     if args.tensor_parallel_size > 1:
         parser.error(
             "bench runs one process for now; for --tensor-parallel-size use pagedllm serve "
@@ -271,7 +274,11 @@ def _check(
         )
     if args.workload in SWEPT and args.peer != "none":
         parser.error(f"{args.workload} compares pagedllm with itself; --peer does not apply")
-    if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+    if (  # pages writes one file there; throughput makes its directory
+        args.plot
+        and args.workload == "pages"
+        and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot)))
+    ):
         parser.error(f"--plot {args.plot}: no such directory")
     if args.workload == "pages" and args.kv_cache_mib is None:
         args.kv_cache_mib = PAGES_KV_CACHE_MIB  # a tight pool is the point of the sweep
@@ -352,6 +359,8 @@ def _run(args: argparse.Namespace, config: EngineConfig, argv: list[str]) -> int
         report.write_json(partial | {"peer_status": "not finished"}, args.json)
     del llm  # frees our KV pages (and CUDA graphs) before the peer sizes its cache
     _free_memory(torch)
+    if args.plot:  # throughput: the run's pictures, from an untimed run
+        _plot_run(args, model, settings, work, context)
     if model.device.type == "cuda":
         _log(
             f"GPU memory held after freeing pagedllm: {torch.cuda.memory_allocated() / 2**30:.2f} GiB"
@@ -480,6 +489,28 @@ def _check_pool_fits(model, mib: float, page_sizes: tuple[int, ...], work) -> No
                 f"request ({longest} tokens) needs {need}: raise --kv-cache-mib, or shorten "
                 "the requests (--max-prompt-len, --max-output-len)"
             )
+
+
+def _plot_run(args, model, settings: dict[str, Any], work, context) -> None:
+    """One more run of `work` on a fresh engine (a cold prefix cache, as measured),
+    recorded step by step (untimed: recording costs host time), then drawn."""
+    import torch
+
+    from pagedllm.bench import ours
+    from pagedllm.engine.timeline import StepRecorder
+    from pagedllm.plots import plot_run
+
+    llm = ours.build_llm(model, settings, _log)
+    try:
+        llm.engine.recorder = StepRecorder()
+        ours._generate(llm, work)
+        title = f"{args.workload}: {work.num_requests} requests, {llm.stats()['pages_total']} pages"
+        for path in plot_run(llm.engine.recorder, args.plot, title):
+            _log(f"wrote {path}")
+    finally:
+        del llm
+        _free_memory(torch)
+    context["plot"] = args.plot
 
 
 def _plot_pages(args, model, settings: dict[str, Any], work, warmup, context) -> None:

@@ -80,7 +80,13 @@ def build_record(
     ratio = headline_ratio(workload, ours, peer)
     record = _context_fields(workload, ours, context)
     record.update(ours.to_json())
-    for key in ("bandwidth_gbps", "bandwidth_source", "bytes_per_token", "floor_tokens_per_s"):
+    for key in (
+        "bandwidth_gbps",
+        "bandwidth_source",
+        "bytes_per_token",
+        "floor_tokens_per_s",
+        "plot",  # throughput --plot DIR: where the run's pictures are
+    ):
         if key in context:
             record[key] = context[key]
     if ours.achieved_gbps is not None and context.get("bandwidth_gbps"):
