@@ -132,6 +132,19 @@ def test_rope_and_store_kvcache():
     assert torch.equal(k_cache.view(-1, HKV, D)[slots[keep]], k[keep])
     assert torch.equal(v_cache.view(-1, HKV, D)[slots[keep]], v[keep])
 
+    # Both in one kernel (what the model runs): the same rotation, the same slots.
+    q, k, v = fused_qkv_views(1024)
+    q0, k0 = q.clone(), k.clone()
+    k_cache.zero_(), v_cache.zero_()
+    tri.rope_and_store(q, k, v, positions, cache, k_cache, v_cache, slots)
+    want_q, want_k = tri.apply_rope(q0, k0, positions, cache)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(k_cache.view(-1, HKV, D)[slots[keep]], k[keep])
+    assert torch.equal(v_cache.view(-1, HKV, D)[slots[keep]], v[keep])
+    assert not k_cache.view(-1, HKV, D)[
+        torch.isin(torch.arange(128 * BS, device=DEV), slots, invert=True)
+    ].any()
+
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("batch", [1, 64, 256])

@@ -211,6 +211,30 @@ def test_apply_rope_in_place_on_strided_views(gen, head_dim, num_heads, num_kv_h
     assert torch.equal(v, v_before)  # the neighbouring V columns are untouched
 
 
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(6, 2, 64), (8, 1, 128), (4, 4, 64)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_and_store(gen, num_heads, num_kv_heads, head_dim, dtype):
+    """RoPE and the KV store in one kernel: q and k rotated in place as apply_rope
+    rotates them, the rotated k and v in their slots, a slot of -1 left alone."""
+    cache = ref.rope_cos_sin_cache(head_dim, 10000.0, None, 100)
+    q, k, v = fused_qkv_views(6, num_heads, num_kv_heads, head_dim, dtype, gen)
+    positions = torch.tensor([0, 1, 17, 40, 99, 3])
+    slots = torch.tensor([0, 15, 16, -1, 63, 40])
+    k_cache = torch.randn(4, BS, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(4, BS, num_kv_heads, head_dim, generator=gen).to(dtype)
+    want_kc, want_vc = k_cache.clone(), v_cache.clone()
+    want_q, want_k = ref.rope_and_store(q, k, v, positions, cache, want_kc, want_vc, slots)
+    v_before = v.clone()
+    out_q, out_k = tri.rope_and_store(q, k, v, positions, cache, k_cache, v_cache, slots)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    torch.testing.assert_close(q, want_q)
+    torch.testing.assert_close(k, want_k)
+    torch.testing.assert_close(k_cache, want_kc)
+    assert torch.equal(v_cache, want_vc) and torch.equal(v, v_before)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_store_kvcache(gen, cache_dtype):
     num_kv_heads, head_dim, num_pages = 3, 64, 4

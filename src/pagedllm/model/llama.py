@@ -120,9 +120,16 @@ class LlamaModel:
             if tracer is not None:  # before RoPE rotates them
                 tracer(i, "q_raw", q)
                 tracer(i, "k_raw", k)
-            q, k = impl.apply_rope(q, k, batch.positions, self.cos_sin_cache)
-            # 3. Attention: write the new K/V into their slots, then read through pages.
-            attn = self._attention(impl, batch, q, k, v, kv_caches[i] if kv_caches else None)
+            # 3. RoPE on q and k; the new K/V go into their KV-cache slots (one kernel
+            #    on CUDA); then attention reads the cache through the block tables.
+            kv_cache = kv_caches[i] if kv_caches else None
+            if kv_cache is None:
+                q, k = impl.apply_rope(q, k, batch.positions, self.cos_sin_cache)
+            else:
+                q, k = impl.rope_and_store(
+                    q, k, v, batch.positions, self.cos_sin_cache, *kv_cache, batch.slot_mapping
+                )
+            attn = self._attention(impl, batch, q, k, v, kv_cache)
             if tracer is not None:
                 for name, t in (("q", q), ("k", k), ("v", v), ("attention", attn)):
                     tracer(i, name, t)
@@ -181,8 +188,7 @@ class LlamaModel:
             return impl.prefill_attention(
                 q, k, v, batch.cu_seqlens_q, batch.seq_lens, self.scale, max_q_len=batch.max_q_len
             )
-        k_cache, v_cache = kv_cache
-        impl.store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
+        k_cache, v_cache = kv_cache  # this step's K/V are in it already (rope_and_store)
         if batch.is_decode:
             return impl.decode_attention(
                 q,

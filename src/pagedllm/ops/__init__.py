@@ -31,6 +31,7 @@ OP_NAMES = (
     "silu_and_mul_linear",
     "apply_rope",
     "store_kvcache",
+    "rope_and_store",
     "prefill_attention",
     "decode_attention",
     "argmax",

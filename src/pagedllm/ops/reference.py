@@ -125,6 +125,23 @@ def apply_rope(
     return rotated[:, :num_q_heads].to(q.dtype), rotated[:, num_q_heads:].to(k.dtype)
 
 
+def rope_and_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rope`, then `store_kvcache` of the rotated k and of v: a layer's new
+    K/V are written to the cache as RoPE leaves them. Returns the rotated q, k."""
+    q, k = apply_rope(q, k, positions, cos_sin_cache)
+    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
 # --------------------------------------------------------------------------
 # Paged KV cache and attention
 # --------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from pagedllm.ops.triton_attention import decode_attention, prefill_attention
 from pagedllm.ops.triton_gemv import linear, silu_and_mul_linear
 from pagedllm.ops.triton_kv import embedding, store_kvcache
 from pagedllm.ops.triton_norm import fused_add_rms_norm, rms_norm
-from pagedllm.ops.triton_rope import apply_rope
+from pagedllm.ops.triton_rope import apply_rope, rope_and_store
 
 __all__ = [
     "embedding",
@@ -31,6 +31,7 @@ __all__ = [
     "silu_and_mul_linear",
     "apply_rope",
     "store_kvcache",
+    "rope_and_store",
     "prefill_attention",
     "decode_attention",
     "argmax",
