@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from pagedllm.ops import triton_interpret_fix  # noqa: F401  (CPU interpreter + NumPy 2.4)
 from pagedllm.ops.triton_act import silu_and_mul
 
 # x rows up to which the GEMV serves: at 2 and 4 rows cuBLAS was as fast or faster
