@@ -9,6 +9,7 @@ the whole ones only by summation order.
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -152,6 +153,7 @@ def test_llm_with_two_ranks_equals_one(models):
     with LLM(models[0], tensor_parallel_size=2, **settings) as two:
         procs = two.engine.workers.procs
         assert [p.is_alive() for p in procs] == [True]
+        pids = [p.pid for p in procs]
         got = two.generate(PROMPTS, sp)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         for g, w in zip(got, want):
@@ -167,8 +169,12 @@ def test_llm_with_two_ranks_equals_one(models):
         assert shape[2] * 2 == one.engine.runner.kv_caches[0][0].shape[2]
         again = two.generate(PROMPTS[:1], sp)  # the prefix cache serves rank 0 and 1 alike
         assert again[0].token_ids == want[0].token_ids
-    assert [p.is_alive() for p in procs] == [False]
+    for pid in pids:  # gone: stopped, reaped, their pipes closed
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
     two.close()  # twice is fine
+    with pytest.raises(RuntimeError, match="was closed; build a new one"):
+        two.generate(PROMPTS[:1], sp)
 
 
 def test_what_cannot_work_is_refused_before_any_process_starts(models):
@@ -308,3 +314,57 @@ def test_the_server_reports_a_dead_worker_on_health(models):
     finally:
         server.stop()
         server.engine.close()
+
+
+def test_a_rank0_failure_mid_step_stops_the_workers_not_the_process(models):
+    """Rank 0 raises inside a forward pass the worker had started: the call raises,
+    the workers are stopped at once (no watchdog exit later), every later call says
+    the engine must be rebuilt, and a new engine works."""
+    from pagedllm import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    settings = dict(device="cpu", dtype="float32", kv_cache_mib=1, tensor_parallel_size=2)
+    llm = LLM(models[0], **settings)
+    failures = []
+    llm.engine.workers.on_failure = failures.append
+    pids = [p.pid for p in llm.engine.workers.procs]
+
+    def boom(layer, name, t):
+        raise RuntimeError("injected on rank 0")
+
+    llm.engine.model.tracer = boom
+    with pytest.raises(RuntimeError, match="injected on rank 0"):
+        llm.generate(PROMPTS[:1], sp)
+    llm.engine.model.tracer = None
+    with pytest.raises(RuntimeError, match="out of step: build a new engine"):
+        llm.generate(PROMPTS[:1], sp)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert failures == []  # their exit was asked for
+    llm.close()
+    with LLM(models[0], **settings) as again:
+        assert len(again.generate(PROMPTS[:1], sp)[0].token_ids) == 4
+
+
+def test_an_engine_dropped_without_close_stops_its_workers(models):
+    import gc
+
+    from pagedllm import LLM
+
+    llm = LLM(models[0], device="cpu", dtype="float32", kv_cache_mib=1, tensor_parallel_size=2)
+    pid = llm.engine.workers.procs[0].pid
+    del llm
+    gc.collect()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_a_bad_dtype_is_refused_before_any_process_starts(models):
+    import multiprocessing as mp
+
+    from pagedllm import LLM
+
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(models[0], device="cpu", dtype="float13", tensor_parallel_size=2)
+    assert mp.active_children() == []

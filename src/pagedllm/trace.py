@@ -301,6 +301,12 @@ def trace_main(argv: list[str]) -> int:
 
     try:
         engine = LLMEngine(config, log=lambda m: print(f"[trace] {m}", file=sys.stderr))
+        if config.tensor_parallel_size > 1:
+            print(
+                f"[trace] tensor parallelism: the buffers below are rank 0's slices (1/"
+                f"{config.tensor_parallel_size} of the heads and of the MLP width)",
+                file=sys.stderr,
+            )
         tok = engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer: trace needs text prompts")

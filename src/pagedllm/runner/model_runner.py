@@ -454,7 +454,7 @@ class ModelRunner:
             try:
                 return self.model.compute_logits(self.model.forward(batch, self.kv_caches))
             except BaseException as e:
-                self.workers.mark_broken(e)
+                self.workers.step_failed(e)  # a dead worker is reported; else: broken
                 raise
 
     def _generator(self, req: Request) -> torch.Generator | None:

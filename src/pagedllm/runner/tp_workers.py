@@ -30,13 +30,13 @@ Does not own: the sharding (`model/parallel.py`), the step (`ModelRunner`).
 
 from __future__ import annotations
 
-import atexit
 import os
 import signal
 import socket
 import sys
 import threading
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -56,6 +56,7 @@ TP_ENV = {
 # A collective that waits longer than this has lost a rank: NCCL/gloo raise.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 STOP_WAIT_S = 10.0  # how long close() waits for a worker to leave before killing it
+WORKER_EXIT_WAIT_S = 1.0  # after a failed step: how long a failing worker may take to exit
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,84 @@ def _default_failure(message: str) -> None:
     os._exit(1)
 
 
+class _Workers:
+    """What the watchdog thread and the shutdown share: the processes, both ends of
+    their pipes, and whether a stop is under way (then an exit is no failure)."""
+
+    def __init__(self, on_failure: Callable[[str], None]) -> None:
+        self.procs: list = []
+        self.steps: list = []  # our sending ends
+        self.errors: list = []  # our receiving ends
+        self.closing = False
+        self.on_failure = on_failure
+        self.watchdog: threading.Thread | None = None
+        self.reported = False  # a worker's death was reported (once, by whoever saw it)
+        self.lock = threading.Lock()
+
+
+def _report(shared: _Workers, rank: int, proc) -> None:
+    """Tell `on_failure` that worker `rank` died, with its error (once)."""
+    with shared.lock:
+        if shared.closing or shared.reported:
+            return
+        shared.reported = True
+    proc.join()
+    error = "no error message (killed?)"
+    try:
+        if shared.errors[rank - 1].poll(1.0):
+            error = shared.errors[rank - 1].recv()
+    except (EOFError, OSError):
+        pass  # it died before it could say why
+    shared.on_failure(
+        f"tensor-parallel worker rank {rank} exited with code {proc.exitcode}: {error}"
+    )
+
+
+def _watch(shared: _Workers) -> None:
+    """Wait for any worker to exit; one that exits while we run is a failure."""
+    pending = {p.sentinel: (rank, p) for rank, p in enumerate(shared.procs, start=1)}
+    while pending:
+        try:
+            ready = wait(list(pending))
+        except (OSError, ValueError):  # the processes were closed under us: a shutdown
+            return
+        for sentinel in ready:
+            rank, proc = pending.pop(sentinel)
+            if not shared.closing:
+                _report(shared, rank, proc)
+                return
+
+
+def _shutdown(shared: _Workers, wait_s: float) -> None:
+    """Stop the workers (asked, then killed after `wait_s` in all), close every pipe,
+    and leave the process group. Idempotent; runs at close(), at garbage
+    collection of the TPWorkers, or at exit."""
+    import time
+
+    import torch.distributed as dist
+
+    shared.closing = True  # (weakref.finalize calls this once)
+    for conn in shared.steps:
+        try:
+            conn.send(("stop", None))
+        except (BrokenPipeError, OSError):
+            pass  # that worker is gone already
+    deadline = time.monotonic() + wait_s
+    for proc in shared.procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if shared.watchdog is not None and shared.watchdog is not threading.current_thread():
+        shared.watchdog.join(1.0)  # it sees every exit as asked for, then ends
+    for conn in shared.steps + shared.errors:
+        conn.close()
+    for proc in shared.procs:
+        proc.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class TPWorkers:
     """Rank 0's handle on the workers: start, send each step, stop."""
 
@@ -101,7 +180,8 @@ class TPWorkers:
         if dist.is_initialized():
             raise ValueError(
                 "tensor_parallel_size > 1 needs a torch.distributed process group of its own, "
-                "and this process already has one: run one tensor-parallel engine per process"
+                "and this process already has one (another tensor-parallel engine not yet "
+                "closed?): close it first (LLM.close())"
             )
         if setup.device_type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(
@@ -110,42 +190,58 @@ class TPWorkers:
             )
         os.environ.update(TP_ENV)
         self.size = size
-        self.on_failure = on_failure or _default_failure
-        self.closing = False
         self.broken: str | None = None  # why the ranks are out of step, once they are
+        self._shared = shared = _Workers(on_failure or _default_failure)
+        # Stops the workers when this object is closed, collected, or at exit; it
+        # holds only `shared`, so an engine dropped without close() is collected.
+        self._finalizer = weakref.finalize(self, _shutdown, shared, STOP_WAIT_S)
         port = _free_port()
         ctx = mp.get_context("spawn")
-        self._steps, self._errors, self.procs = [], [], []
-        for rank in range(1, size):
-            step_recv, step_send = ctx.Pipe(duplex=False)
-            err_recv, err_send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=worker_main,
-                args=(rank, size, port, setup, step_recv, err_send),
-                name=f"pagedllm-tp{rank}",
-                daemon=True,
+        try:
+            for rank in range(1, size):
+                step_recv, step_send = ctx.Pipe(duplex=False)
+                err_recv, err_send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=worker_main,
+                    args=(rank, size, port, setup, step_recv, err_send),
+                    name=f"pagedllm-tp{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                step_recv.close()  # the worker's ends, not ours
+                err_send.close()
+                shared.steps.append(step_send)
+                shared.errors.append(err_recv)
+                shared.procs.append(proc)
+            shared.watchdog = threading.Thread(
+                target=_watch, args=(shared,), name="pagedllm-tp-watchdog", daemon=True
             )
-            proc.start()
-            step_recv.close()  # the worker's ends, not ours
-            err_send.close()
-            self._steps.append(step_send)
-            self._errors.append(err_recv)
-            self.procs.append(proc)
-        self._watchdog = threading.Thread(
-            target=self._watch, name="pagedllm-tp-watchdog", daemon=True
-        )
-        self._watchdog.start()
-        if setup.device_type == "cuda":
-            torch.cuda.set_device(0)
-        dist.init_process_group(
-            "nccl" if setup.device_type == "cuda" else "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=0,
-            world_size=size,
-            timeout=COLLECTIVE_TIMEOUT,
-        )
+            shared.watchdog.start()
+            if setup.device_type == "cuda":
+                torch.cuda.set_device(0)
+            dist.init_process_group(
+                "nccl" if setup.device_type == "cuda" else "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=0,
+                world_size=size,
+                timeout=COLLECTIVE_TIMEOUT,
+            )
+        except BaseException:  # Ctrl-C while the workers start, say: none is left behind
+            self._stop_now()
+            raise
         self.tp = TensorParallel(0, size)
-        atexit.register(self.close)
+
+    @property
+    def procs(self) -> list:
+        return self._shared.procs
+
+    @property
+    def on_failure(self) -> Callable[[str], None]:
+        return self._shared.on_failure
+
+    @on_failure.setter
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        self._shared.on_failure = callback
 
     # ------------------------------------------------------------ rank 0's side
     def send(self, message: tuple[str, Any]) -> None:
@@ -153,57 +249,46 @@ class TPWorkers:
         or ("stop", None)."""
         if self.broken is not None:
             raise RuntimeError(self.broken)
-        for conn in self._steps:
+        if self._shared.closing:
+            raise RuntimeError("this tensor-parallel engine was closed; build a new one")
+        for conn in self._shared.steps:
             conn.send(message)
+
+    def step_failed(self, error: BaseException) -> None:
+        """Rank 0's forward pass raised after the workers had started the step. If a
+        worker died (its collective then fails on rank 0 too), that death is the
+        failure to report (`on_failure`); otherwise rank 0 alone failed: `mark_broken`."""
+        import time
+
+        deadline = time.monotonic() + WORKER_EXIT_WAIT_S  # a worker that raised takes a moment
+        for rank, proc in enumerate(self._shared.procs, start=1):
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if not proc.is_alive():
+                _report(self._shared, rank, proc)
+                break
+        self.mark_broken(error)
 
     def mark_broken(self, error: BaseException) -> None:
         """Rank 0 failed inside a step the workers had started: they wait in a
-        collective that rank 0 left, so no later step can line up with theirs."""
+        collective that rank 0 left, so no later step can line up with theirs. They
+        are stopped now (their exit is no failure), and every later step raises."""
         self.broken = (
             f"a tensor-parallel step failed on rank 0 ({type(error).__name__}: {error}) after "
-            "the workers had started it; the ranks are out of step: restart the engine"
+            "the workers had started it; the ranks are out of step: build a new engine"
         )
+        self._stop_now()
 
     def close(self) -> None:
         """Stop the workers (they leave their loop and the process group), then ours."""
-        if self.closing:
-            return
-        self.closing = True
-        import torch.distributed as dist
+        self._finalizer()
 
-        for conn in self._steps:
-            try:
-                conn.send(("stop", None))
-            except (BrokenPipeError, OSError):
-                pass  # that worker is gone already
-        for proc in self.procs:
-            proc.join(STOP_WAIT_S)
+    def _stop_now(self) -> None:
+        """Kill the workers without asking: they may be inside a collective."""
+        self._shared.closing = True
+        for proc in self._shared.procs:
             if proc.is_alive():
                 proc.kill()
-                proc.join()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-    def _watch(self) -> None:
-        """Wait for any worker to exit; one that exits while we run is a failure."""
-        pending = {p.sentinel: (rank, p) for rank, p in enumerate(self.procs, start=1)}
-        while pending:
-            for sentinel in wait(list(pending)):
-                rank, proc = pending.pop(sentinel)
-                if self.closing:
-                    continue
-                proc.join()
-                error = "no error message (killed?)"
-                conn = self._errors[rank - 1]
-                try:
-                    if conn.poll(1.0):
-                        error = conn.recv()
-                except (EOFError, OSError):
-                    pass  # it died before it could say why
-                self.on_failure(
-                    f"tensor-parallel worker rank {rank} exited with code {proc.exitcode}: {error}"
-                )
-                return
+        self._finalizer()
 
 
 # ---------------------------------------------------------------- worker side

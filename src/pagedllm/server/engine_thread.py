@@ -134,7 +134,9 @@ class EngineThread:
                 engine.step()
                 self._flush()
         except BaseException as e:  # noqa: BLE001 - reported through /health
-            self.error = f"{type(e).__name__}: {e}"
+            # A failure reported first (fail(): a dead worker) is the cause; the step
+            # that then broke (its collective lost a rank) is only the consequence.
+            self.error = self.error or f"{type(e).__name__}: {e}"
             traceback.print_exc()
         finally:
             # Every waiting handler gets a final output (finish_reason "abort"),
