@@ -237,7 +237,7 @@ def test_bench_bad_options_fail_before_loading(no_load, capsys):
         (["pages", "--adm", "reserve"], "drop --admission"),  # argparse's abbreviation
         (["prefix", "--no-prefix-caching"], "on, then off; drop --prefix-caching"),
         (["prefix", "--peer", "hf"], "compares pagedllm with itself"),
-        (["throughput", "--plot", "p.png"], "--plot applies to pages only"),
+        (["latency", "--plot", "p.png"], "--plot applies to pages and throughput only"),
         (["latency", "--prefix-len", "8"], "--prefix-len applies to prefix only"),
         (["pages", "--plot", "/no/such/dir/p.png"], "no such directory"),
         (["prefix", "--max-num-seqs", "64", "--max-num-batched-tokens", "32"], "--max-num-seqs"),
