@@ -368,3 +368,25 @@ def test_a_bad_dtype_is_refused_before_any_process_starts(models):
     with pytest.raises(ValueError, match="dtype"):
         LLM(models[0], device="cpu", dtype="float13", tensor_parallel_size=2)
     assert mp.active_children() == []
+
+
+def test_bench_runs_a_tensor_parallel_engine(models, capsys):
+    """pagedllm bench latency / throughput --tensor-parallel-size 2: every rank loads
+    its slice; the record is the run's; what cannot work is a usage error."""
+    import json as json_
+
+    from pagedllm.bench.cli import bench_main
+
+    base = ["--model", models[0], "--device", "cpu", "--dtype", "float32", "--threads", "1"]
+    base += ["--kv-cache-mib", "1", "--tensor-parallel-size", "2", "--peer", "none"]
+    argv = ["latency", *base, "--prompt-len", "8", "--output-len", "4"]
+    assert bench_main(argv) == 0
+    record = json_.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["output_tokens"] == 4 and record["options"]["tensor_parallel_size"] == 2
+    argv = ["throughput", *base, "--num-requests", "4", "--max-prompt-len", "16"]
+    assert bench_main([*argv, "--max-output-len", "4"]) == 0
+    assert json_.loads(capsys.readouterr().out.strip().splitlines()[-1])["output_tokens"] > 0
+    assert bench_main(["pages", *base]) == 2
+    assert "with --tensor-parallel-size run throughput" in capsys.readouterr().err
+    assert bench_main(["latency", *base[:-2], "--peer", "hf"]) == 2
+    assert "add --peer none" in capsys.readouterr().err

@@ -56,6 +56,7 @@ from pagedllm.engine_config import ADMISSION_POLICIES, EngineConfig
 from pagedllm.model_source import (
     ModelSpec,
     add_model_source_arguments,
+    engine_model,
     load_model,
     model_spec_from_args,
 )
@@ -267,11 +268,13 @@ def _check(
         allowed = (workload,) if isinstance(workload, str) else workload
         if dest in given and args.workload not in allowed:
             parser.error(f"--{dest.replace('_', '-')} applies to {' and '.join(allowed)} only")
-    if args.tensor_parallel_size > 1:
+    if args.tensor_parallel_size > 1 and args.workload in SWEPT:
         parser.error(
-            "bench runs one process for now; for --tensor-parallel-size use pagedllm serve "
-            "with pagedllm bench serve, or LLM(..., tensor_parallel_size=N)"
+            f"{args.workload} builds an engine per setting; with --tensor-parallel-size run "
+            "throughput, latency or ttft"
         )
+    if args.tensor_parallel_size > 1 and args.peer != "none":
+        parser.error("--tensor-parallel-size: transformers runs on one device; add --peer none")
     if args.workload in SWEPT and args.peer != "none":
         parser.error(f"{args.workload} compares pagedllm with itself; --peer does not apply")
     if (  # pages writes one file there; throughput makes its directory
@@ -321,7 +324,18 @@ def _run(args: argparse.Namespace, config: EngineConfig, argv: list[str]) -> int
     # 1. Our model and the workload (ids folded into small vocabularies).
     spec = ModelSpec(config.model, args.preset, args.load_format)
     t0 = time.perf_counter()
-    model = load_model(spec, config.device, config.dtype)
+    llm = None
+    if config.tensor_parallel_size > 1:
+        # Every rank loads its own slice, so the engine loads the model (rank 0's slice
+        # is `model` below: its bytes per token over one GPU's bandwidth is the floor).
+        source = None  # each engine built below loads it again, from `settings`
+        settings = engine_kwargs(config.replace(**engine_model(spec)))
+        llm = ours.build_llm(source, settings, _log)
+        model = llm.engine.model
+    else:
+        model = source = load_model(spec, config.device, config.dtype)
+        # The model is loaded: the engine gets it, not its path, device or dtype.
+        settings = engine_kwargs(config, without=("model", "device", "dtype"))
     _log(f"loaded {spec.describe()} in {time.perf_counter() - t0:.1f} s on {model.device}")
     vocab = model.config.vocab_size
     work, warmup = _workload(args, vocab), workloads.warmup_workload(vocab)
@@ -336,8 +350,6 @@ def _run(args: argparse.Namespace, config: EngineConfig, argv: list[str]) -> int
         "command": "pagedllm bench " + " ".join(shlex.quote(a) for a in argv),
         "options": {k: v for k, v in vars(args).items() if v is not None},
     }
-    # The model is loaded: the engine gets it, not its path, device or dtype.
-    settings = engine_kwargs(config, without=("model", "device", "dtype"))
     if args.workload == "prefix":
         return _run_prefix(args, model, settings, work, warmup, context)
     if args.workload == "pages":
@@ -346,7 +358,8 @@ def _run(args: argparse.Namespace, config: EngineConfig, argv: list[str]) -> int
         _roofline(context, model, work)
 
     # 2. Ours.
-    llm = ours.build_llm(model, settings, _log)
+    if llm is None:
+        llm = ours.build_llm(source, settings, _log)
     kv_tokens = llm.engine.kv_spec.num_tokens
     _log(f"pagedllm: running {args.workload} ({work.description})")
     mine = _measure(ours, args, llm, work, warmup)
@@ -357,10 +370,11 @@ def _run(args: argparse.Namespace, config: EngineConfig, argv: list[str]) -> int
 
         partial = report.build_record(args.workload, mine, None, context)
         report.write_json(partial | {"peer_status": "not finished"}, args.json)
+    llm.close()  # tensor-parallel workers, if any
     del llm  # frees our KV pages (and CUDA graphs) before the peer sizes its cache
     _free_memory(torch)
     if args.plot:  # throughput: the run's pictures, from an untimed run
-        _plot_run(args, model, settings, work, context)
+        _plot_run(args, source, settings, work, context)
     if model.device.type == "cuda":
         _log(
             f"GPU memory held after freeing pagedllm: {torch.cuda.memory_allocated() / 2**30:.2f} GiB"
@@ -508,6 +522,7 @@ def _plot_run(args, model, settings: dict[str, Any], work, context) -> None:
         for path in plot_run(llm.engine.recorder, args.plot, title):
             _log(f"wrote {path}")
     finally:
+        llm.close()
         del llm
         _free_memory(torch)
     context["plot"] = args.plot

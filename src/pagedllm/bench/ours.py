@@ -28,7 +28,13 @@ from pagedllm.model import LlamaModel
 ENGINE = "pagedllm"
 
 
-def build_llm(model: LlamaModel, engine_kwargs: dict[str, Any], log: Callable[[str], None]) -> LLM:
+def build_llm(
+    model: LlamaModel | None, engine_kwargs: dict[str, Any], log: Callable[[str], None]
+) -> LLM:
+    """An LLM on `model`, or (None: tensor parallelism, every rank loads its own
+    slice) on what `engine_kwargs` names (model path, load_format, device, dtype)."""
+    if model is None:
+        return LLM(log=log, **engine_kwargs)
     return LLM(model=model, log=log, **engine_kwargs)
 
 
