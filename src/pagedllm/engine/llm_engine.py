@@ -690,7 +690,12 @@ def _start_workers(config: EngineConfig, model: Any, max_positions: int):
     """Ranks 1..N-1 of a tensor-parallel engine (None when tensor_parallel_size is 1)."""
     if config.tensor_parallel_size == 1:
         return None
-    from pagedllm.model.loader import read_model_config, resolve_device, resolve_dtype
+    from pagedllm.model.loader import (
+        check_load_format,
+        read_model_config,
+        resolve_device,
+        resolve_dtype,
+    )
     from pagedllm.model.parallel import check_divisible
     from pagedllm.resolve import resolve_model_path
     from pagedllm.runner.tp_workers import TPWorkers, WorkerSetup
@@ -704,11 +709,7 @@ def _start_workers(config: EngineConfig, model: Any, max_positions: int):
     # plain ValueError (a worker that fails ends the whole process: tp_workers.py).
     path = resolve_model_path(config.model)
     check_divisible(read_model_config(path), config.tensor_parallel_size)
-    if config.load_format == "dummy" and not path.is_dir():
-        raise ValueError(
-            f"{path}: load_format 'dummy' takes its shape from an HF directory's config.json; "
-            "give a directory (or a preset)"
-        )
+    check_load_format(path, config.load_format)
     device = resolve_device(config.device)
     resolve_dtype(config.dtype, device)  # a bad dtype: a ValueError here, not in a worker
     if device.index not in (None, 0):

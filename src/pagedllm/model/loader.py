@@ -107,15 +107,9 @@ def load_model(
     model_path = resolve_model_path(path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    check_load_format(model_path, load_format)
     if load_format == "dummy":
-        if not model_path.is_dir():
-            raise ValueError(
-                f"{model_path}: load_format 'dummy' takes its shape from an HF directory's "
-                "config.json; give a directory (or a preset)"
-            )
         return dummy_model(ModelConfig.from_hf_dir(model_path), dev, dt, tp=tp)
-    if load_format != "auto":
-        raise ValueError(f"load_format {load_format!r}: choose 'auto' or 'dummy'")
     # A tensor-parallel rank keeps (and copies from the file) only its slices.
     select = None if tp is None else (lambda name, t: shard_weight(name, t, tp))
     if is_gguf(model_path):
@@ -144,6 +138,18 @@ def load_model(
     )
     model.source_path = model_path
     return model
+
+
+def check_load_format(model_path: Path, load_format: str) -> None:
+    """ValueError unless `load_format` can load `model_path` (a resolved path):
+    "auto" reads anything; "dummy" takes its shape from an HF directory."""
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format {load_format!r}: choose 'auto' or 'dummy'")
+    if load_format == "dummy" and not model_path.is_dir():
+        raise ValueError(
+            f"{model_path}: load_format 'dummy' takes its shape from an HF directory's "
+            "config.json; give a directory (or a preset)"
+        )
 
 
 def read_model_config(path: str | Path | None = None) -> ModelConfig:
