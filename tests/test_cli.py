@@ -205,6 +205,7 @@ BAD_OPTIONS = [
     ["--admission", "eager"],
     ["--batching", "dynamic"],
     ["--ops", "cuda"],
+    ["--kv-cache-dtype", "int8"],
     ["--max-num-batched-tokens", "0"],
 ]
 

@@ -23,16 +23,20 @@ def tiny(tmp_path_factory):
     return load_model(path, device="cpu", dtype="float32")
 
 
-def test_engine_on_triton_kernels_matches_reference(tiny, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_engine_on_triton_kernels_matches_reference(tiny, monkeypatch, kv_cache_dtype):
+    """float32 model; with "fp8" both sides keep float8 pages, stored and read by
+    each implementation's own ops."""
     prompts = [[5, 9, 11], list(range(20, 53)), [7] * 16]
     params = [
         SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1) for n in (9, 5, 18)
     ]
+    settings = dict(kv_cache_mib=1, kv_cache_dtype=kv_cache_dtype)
     monkeypatch.setenv("PAGEDLLM_OPS", "reference")
-    ref = LLM(model=tiny, kv_cache_mib=1).generate(prompts, params)
+    ref = LLM(model=tiny, **settings).generate(prompts, params)
     monkeypatch.setenv("PAGEDLLM_OPS", "triton")
     assert implementation_name("cpu") == "triton"
-    got = LLM(model=tiny, kv_cache_mib=1).generate(prompts, params)
+    got = LLM(model=tiny, **settings).generate(prompts, params)
     for r, g in zip(ref, got):
         assert g.token_ids == r.token_ids
         lp_r = torch.tensor([lp[t] for lp, t in zip(r.logprobs, r.token_ids)])

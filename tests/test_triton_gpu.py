@@ -146,6 +146,52 @@ def test_rope_and_store_kvcache():
     ].any()
 
 
+FP8 = torch.float8_e4m3fn
+
+
+def test_rope_and_store_into_fp8_cache_rounds_as_torch():
+    """The GPU's conversion to float8 e4m3 gives torch's bytes (round to nearest
+    even; +-448 saturation through the clamp): each slot holds exactly
+    `to_cache_dtype` of the rotated k (as the kernel left it in place) and of v."""
+    scaling = RopeScaling(32.0, 1.0, 4.0, 8192)
+    cache = ref.rope_cos_sin_cache(D, 500000.0, scaling, 131072, device=DEV)
+    q, k, v = fused_qkv_views(1024)
+    v[::5] *= 300  # some past 448
+    k[::3] *= 300
+    positions = torch.randint(0, 131072, (1024,), device=DEV)
+    slots = torch.randperm(128 * BS, device=DEV)[:1024]
+    slots[::7] = -1
+    k_cache = torch.zeros(128, BS, HKV, D, device=DEV, dtype=FP8)
+    v_cache = torch.zeros_like(k_cache)
+    tri.rope_and_store(q, k, v, positions, cache, k_cache, v_cache, slots)
+    keep = slots >= 0
+    for got, x in ((k_cache, k), (v_cache, v)):
+        want = ref.to_cache_dtype(x[keep], FP8).view(torch.uint8)
+        assert torch.equal(got.view(-1, HKV, D)[slots[keep]].view(torch.uint8), want)
+    assert v_cache.float().abs().max().item() == 448.0
+    assert k_cache.float().abs().max().item() == 448.0
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("batch", [1, 256])
+def test_decode_attention_fp8_cache(batch, head_dim):
+    """bf16 q over float8 pages, against the reference in float32 on the same pages."""
+    seq_lens_list = torch.randint(1, 2049, (batch,)).tolist()
+    seq_lens_list[0] = 2048
+    k_cache, v_cache, block_tables = paged_cache(seq_lens_list, head_dim=head_dim)
+    k_cache, v_cache = k_cache.to(FP8), v_cache.to(FP8)
+    q, _, _ = fused_qkv_views(batch, head_dim=head_dim)
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device=DEV)
+    scale = head_dim**-0.5
+    rows = torch.tensor(sorted({0, batch // 2, batch - 1}), device=DEV)
+    want = ref.decode_attention(
+        q[rows].float(), k_cache, v_cache, block_tables[rows], seq_lens[rows], scale
+    )
+    for kwargs in ({}, {"num_splits": 1}, {"num_splits": 7}):
+        out = tri.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, **kwargs)
+        assert rel_err(out[rows], want) < 1e-2, kwargs
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("batch", [1, 64, 256])
 def test_decode_attention(batch, head_dim):

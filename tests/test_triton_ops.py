@@ -258,6 +258,49 @@ def test_store_kvcache_skips_negative_slots(gen):
     assert k_cache.abs().sum() == 0  # nothing else was written
 
 
+FP8 = torch.float8_e4m3fn
+
+
+def as_bits(cache: torch.Tensor) -> torch.Tensor:
+    """A float8 cache's bytes, to compare exactly (torch.equal has no float8 kernel)."""
+    return cache.view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_and_store_into_fp8_cache(gen, dtype):
+    """A float8 cache gets the same bytes as the reference's clamp-and-round
+    (`to_cache_dtype`), values past +-448 included; q and k stay in their dtype."""
+    cache = ref.rope_cos_sin_cache(64, 10000.0, None, 100)
+    q, k, v = fused_qkv_views(6, 6, 2, 64, dtype, gen)
+    v[1] *= 500  # past e4m3's largest value: saturates at +-448
+    k[2] *= 500
+    positions = torch.tensor([0, 1, 17, 40, 99, 3])
+    slots = torch.tensor([0, 15, 16, -1, 63, 40])
+    k_cache = torch.zeros(4, BS, 2, 64, dtype=FP8)
+    v_cache = torch.zeros(4, BS, 2, 64, dtype=FP8)
+    want_kc, want_vc = k_cache.clone(), v_cache.clone()
+    want_q, want_k = ref.rope_and_store(q, k, v, positions, cache, want_kc, want_vc, slots)
+    tri.rope_and_store(q, k, v, positions, cache, k_cache, v_cache, slots)
+    torch.testing.assert_close(q, want_q)
+    torch.testing.assert_close(k, want_k)
+    assert torch.equal(as_bits(k_cache), as_bits(want_kc))
+    assert torch.equal(as_bits(v_cache), as_bits(want_vc))
+    assert v_cache.float().abs().max() == 448.0 and k_cache.float().abs().max() == 448.0
+
+
+def test_store_kvcache_into_fp8_cache(gen):
+    _, k, v = fused_qkv_views(6, 6, 3, 64, gen=gen)
+    k[0] *= 1000
+    slots = torch.tensor([0, 15, 16, 17, 63, 40])
+    k_cache = torch.zeros(4, BS, 3, 64, dtype=FP8)
+    v_cache = torch.zeros_like(k_cache)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    ref.store_kvcache(k, v, want_k, want_v, slots)
+    tri.store_kvcache(k, v, k_cache, v_cache, slots)
+    assert torch.equal(as_bits(k_cache), as_bits(want_k))
+    assert torch.equal(as_bits(v_cache), as_bits(want_v))
+
+
 # --------------------------------------------------------------------------
 # Decode attention
 # --------------------------------------------------------------------------
@@ -324,6 +367,25 @@ def test_decode_attention_fp16(gen, head_dim):
             q, k_cache, v_cache, block_tables, seq_lens, 0.125, num_splits=splits
         )
         assert out.dtype == torch.float16 and rel_err(out, want) < 2e-3
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention_fp8_cache(gen, q_dtype, num_splits):
+    """Float8 pages are widened exactly to q's dtype: the kernel equals the
+    reference on the same pages (float32 q: to 1e-5; float16 q: its own
+    rounding), with the fp8 tile size (twice the tokens of a 16-bit tile)."""
+    lens = [5, 16, 100, 200]
+    k_cache, v_cache, block_tables = paged_cache(lens, 2, 64, gen=gen)
+    k_cache, v_cache = k_cache.to(FP8), v_cache.to(FP8)
+    q = torch.randn(4, 8, 64, generator=gen).to(q_dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    want = ref.decode_attention(q.float(), k_cache, v_cache, block_tables, seq_lens, 0.125)
+    out = tri.decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, 0.125, num_splits=num_splits
+    )
+    assert out.dtype == q_dtype
+    assert rel_err(out, want) < (1e-5 if q_dtype == torch.float32 else 2e-3)
 
 
 def test_num_decode_splits_rule():
@@ -406,6 +468,21 @@ def test_prefill_attention_fp16_gpu_tiles(gen, head_dim):
     )
     out = tri.prefill_attention(q, k, v, cu, seq_lens, 0.125, k_cache, v_cache, block_tables)
     assert out.dtype == torch.float16 and rel_err(out, want) < 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_attention_fp8_cached_prefix(gen, dtype):
+    """A cached prefix in float8 pages is read widened to q's dtype; the new
+    tokens' own K/V come in at full precision."""
+    q_lens, ctx_lens = [1, 17, 40], [5, 33, 17]
+    q, k, v, cu, seq_lens, k_cache, v_cache, block_tables = _prefill_case(
+        gen, q_lens, ctx_lens, 8, 2, 64, dtype
+    )
+    k_cache, v_cache = k_cache.to(FP8), v_cache.to(FP8)
+    args = (q, k, v, cu, seq_lens, 0.125, k_cache, v_cache, block_tables)
+    want = ref.prefill_attention(*args)
+    out = tri.prefill_attention(*args, max_q_len=max(q_lens))
+    assert rel_err(out, want) < (1e-5 if dtype == torch.float32 else 2e-3)
 
 
 def test_chunked_prefill_then_decode_matches_one_shot(gen):

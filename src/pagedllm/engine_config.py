@@ -28,6 +28,10 @@ OPS_CHOICES = ("auto", "reference", "triton")
 # "auto": read the weights; "dummy": random weights of the config's shape, made on
 # the device (speed work: `model` is then an HF directory, or a preset's).
 LOAD_FORMATS = ("auto", "dummy")
+# "auto": K/V pages in the model's dtype; "fp8": float8 e4m3, 1 byte per value with
+# no scale (ops/reference.py `to_cache_dtype`): twice bf16's tokens per MiB, and
+# decode attention reads half the bytes, at 3 mantissa bits of precision.
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class EngineConfig:
     device: str | None = None  # "cpu", "cuda", "cuda:1"; None: CUDA when present
     dtype: str | None = None  # "float32", "bfloat16", "float16"; None: per device
     kv_cache_mib: float | None = None  # K+V of all layers; None: sized from free memory
+    kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
     block_size: int = 16  # tokens per KV page
     batching: str = "continuous"  # "continuous": admit every step; "static": group by group
     admission: str = "reserve"  # see ADMISSION_POLICIES
@@ -62,6 +67,7 @@ class EngineConfig:
         _check_choice("batching", self.batching, BATCHING_POLICIES)
         _check_choice("admission", self.admission, ADMISSION_POLICIES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.ops is not None:
             _check_choice("ops", self.ops, OPS_CHOICES)
         for name in ("prefix_caching", "chunked_prefill"):

@@ -110,7 +110,12 @@ class LLMEngine:
     ) -> None:
         # The layers with tensors, imported here: the engine's own modules need no torch.
         from pagedllm.cpu_threads import apply_thread_policy
-        from pagedllm.runner.model_runner import ModelRunner, load_or_check_model, plan_kv_cache
+        from pagedllm.runner.model_runner import (
+            ModelRunner,
+            kv_cache_dtype,
+            load_or_check_model,
+            plan_kv_cache,
+        )
 
         self.config = config
         self.num_threads = apply_thread_policy(config.threads)
@@ -147,13 +152,19 @@ class LLMEngine:
                 )
             self.max_model_len = max_model_len
             kv_spec, why = plan_kv_cache(
-                model, config.block_size, config.kv_cache_mib, max_model_len, config.max_num_seqs
+                model,
+                config.block_size,
+                config.kv_cache_mib,
+                max_model_len,
+                config.max_num_seqs,
+                kv_cache_dtype(config.kv_cache_dtype, model),
             )
             self.kv_spec = kv_spec
             per_rank = "" if self.workers is None else f" per rank (x{config.tensor_parallel_size})"
             log(
                 f"KV cache: {plural(kv_spec.num_blocks, 'page')} of {kv_spec.block_size} tokens "
-                f"= {plural(kv_spec.num_tokens, 'token')}, {kv_spec.mib:.1f} MiB{per_rank}; "
+                f"= {plural(kv_spec.num_tokens, 'token')}, {kv_spec.mib:.1f} MiB{per_rank}"
+                f"{'' if kv_spec.dtype == model.dtype else ' in ' + _dtype_name(kv_spec.dtype)}; "
                 f"sized by {why}"
             )
             runner_settings = dict(
@@ -592,6 +603,7 @@ class LLMEngine:
             "pages_peak_used_mib": round(bm.peak_used_blocks * per_block, 2),
             "pages_free_mib": round(bm.num_free_blocks * per_block, 2),
             "block_size": self.kv_spec.block_size,
+            "kv_cache_dtype": _dtype_name(self.kv_spec.dtype),
             "prefill_tokens": s.num_prefill_tokens,
             "decode_tokens": s.num_decode_tokens,
             "steps": self.num_steps,
@@ -602,6 +614,11 @@ class LLMEngine:
                 1e3 * self.runner.host_time_s / max(1, self.runner.num_steps), 3
             ),
         }
+
+
+def _dtype_name(dtype) -> str:
+    """torch.float8_e4m3fn -> "float8_e4m3fn" (no torch import here)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _reject(req: Request, message: str) -> None:

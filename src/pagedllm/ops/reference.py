@@ -152,6 +152,23 @@ def rope_and_store(
 DECODE_CHUNK_ELEMENTS = 1 << 24
 
 
+# The float8 K/V cache (`--kv-cache-dtype fp8`) stores e4m3 values with no scale,
+# as vLLM does when no scales are calibrated: 3 mantissa bits (a relative error of
+# at most 2^-4 per element) and a largest finite value of 448, past which a value
+# saturates. Every reader converts a page back to the model's dtype before its dots.
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V as a cache of `dtype` holds it: a plain cast, except that float8
+    e4m3 first clamps to +-448 (a cast would make larger values NaN on some
+    torch versions) and then rounds to nearest even."""
+    if dtype == FP8_KV_DTYPE:
+        x = x.float().clamp(-FP8_KV_MAX, FP8_KV_MAX)
+    return x.to(dtype)
+
+
 def store_kvcache(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -159,14 +176,15 @@ def store_kvcache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write each token's K/V (T, Hkv, D) at its slot in the (NB, BS, Hkv, D) caches.
+    """Write each token's K/V (T, Hkv, D) at its slot in the (NB, BS, Hkv, D) caches,
+    converted to the caches' dtype (`to_cache_dtype`).
 
     slot = page_id * BS + offset, so viewing the cache as (NB*BS, Hkv, D) makes
     the slot a plain row index.
     """
     nb, bs, hkv, d = k_cache.shape
-    k_cache.view(nb * bs, hkv, d)[slot_mapping] = k.to(k_cache.dtype)
-    v_cache.view(nb * bs, hkv, d)[slot_mapping] = v.to(v_cache.dtype)
+    k_cache.view(nb * bs, hkv, d)[slot_mapping] = to_cache_dtype(k, k_cache.dtype)
+    v_cache.view(nb * bs, hkv, d)[slot_mapping] = to_cache_dtype(v, v_cache.dtype)
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:

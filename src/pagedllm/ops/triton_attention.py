@@ -47,7 +47,10 @@ MAX_SPLITS = 64
 
 
 def _decode_block_n(head_dim: int, dtype: torch.dtype) -> int:
-    return max(16, DECODE_TILE_BYTES // (head_dim * dtype.itemsize))
+    """Tokens per K tile: DECODE_TILE_BYTES of the cache's dtype, at most 128
+    (float8 pages: 128 tokens measured fastest at D = 64 and 128 on the H200,
+    scripts/bench_decode_attention.py)."""
+    return max(16, min(128, DECODE_TILE_BYTES // (head_dim * dtype.itemsize)))
 
 
 def _prefill_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
@@ -100,6 +103,49 @@ def num_decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
 
 
 @triton.jit
+def _load_kv_tile(
+    bt_row,
+    k_head,
+    v_head,
+    n0,
+    end,
+    strides,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+):
+    """K and V (BLOCK_N, D) of tokens n0.. of one sequence and KV head, read
+    through its block-table row, as stored; and which of the tokens are < end."""
+    stride_kc_nb, stride_kc_bs, stride_vc_nb, stride_vc_bs = strides
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = n < end
+    page = tl.load(bt_row + n // BS, mask=n_mask, other=0).to(tl.int64)
+    row = n % BS
+    offs_d = tl.arange(0, D)
+    k_off = page * stride_kc_nb + row * stride_kc_bs
+    k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+    v_off = page * stride_vc_nb + row * stride_vc_bs
+    v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+    return k, v, n_mask
+
+
+@triton.jit
+def _fold_tile(q, k, v, n_mask, m_i, l_i, acc, s_scale, PREC: tl.constexpr):
+    """One online-softmax step of decode: the scores of q (BLOCK_G, D) against a
+    K tile, then the running max, denominator and P @ V folded in. K/V are
+    widened to q's dtype first (exactly, from float8)."""
+    k = k.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * s_scale  # (BLOCK_G, BLOCK_N)
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)  # rescales what we had; 0 on the first tile
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,  # (B, H, D)
     k_cache_ptr,  # (NB, BS, Hkv, D)
@@ -129,6 +175,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     PREC: tl.constexpr,
+    FP16_DOTS: tl.constexpr,  # float8 caches, 16-bit q: see below
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -137,12 +184,20 @@ def _decode_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
-    offs_n = tl.arange(0, BLOCK_N)
     g_mask = offs_g < G
     heads = kvh * G + offs_g  # (BLOCK_G,) query heads of this KV head
 
     q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # (BLOCK_G, D)
+    if FP16_DOTS:
+        # float8 pages under a 16-bit q: the dots run in float16, to which e4m3
+        # widens in one hardware instruction (to bf16 it takes several, and the
+        # kernel would be bound by them). q is scaled first (so no separate scale
+        # after the dot) and clamped to float16's range.
+        q = tl.clamp(q.to(tl.float32) * qk_scale, -65504.0, 65504.0).to(tl.float16)
+        s_scale = 1.0
+    else:
+        s_scale = qk_scale
 
     # This program's token range [start, end): each sequence's own length is cut
     # into num_splits equal (BLOCK_N-aligned) parts, so the split is graph-safe and
@@ -161,26 +216,11 @@ def _decode_kernel(
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt_b
     k_head = k_cache_ptr + kvh * stride_kc_h
     v_head = v_cache_ptr + kvh * stride_vc_h
+    strides = (stride_kc_nb, stride_kc_bs, stride_vc_nb, stride_vc_bs)
 
     for n0 in range(start, end, BLOCK_N):
-        n = n0 + offs_n  # (BLOCK_N,) token positions
-        n_mask = n < end
-        page = tl.load(bt_row + n // BS, mask=n_mask, other=0).to(tl.int64)
-        row = n % BS
-        k_off = page * stride_kc_nb + row * stride_kc_bs
-        k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_G, BLOCK_N)
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)  # rescales what we had; 0 on the first tile
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        v_off = page * stride_vc_nb + row * stride_vc_bs
-        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        k, v, n_mask = _load_kv_tile(bt_row, k_head, v_head, n0, end, strides, BS, BLOCK_N, D)
+        m_i, l_i, acc = _fold_tile(q, k, v, n_mask, m_i, l_i, acc, s_scale, PREC)
 
     # An empty range (seq_len 0, or a split past the end) leaves l_i == 0: write
     # zeros and an lse of -inf so it weighs nothing in the reduction.
@@ -242,6 +282,9 @@ def decode_attention(
     max_seq_len: int | None = None,
     *,
     num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = DECODE_NUM_WARPS,
+    num_stages: int = DECODE_NUM_STAGES,
 ) -> torch.Tensor:
     """Paged decode attention; see `reference.decode_attention`. Returns (B, H, D).
 
@@ -249,8 +292,13 @@ def decode_attention(
     heads of that KV head with one (G padded to 16) x D by D x BLOCK_N dot per
     tile. `max_seq_len` (host int, optional) bounds every seq_len and only
     steers how many splits to use; without it the block-table width does.
-    `num_splits` forces the split count (tests). Nothing here reads a device
-    value on the host, so the call can be captured in a CUDA graph.
+    `num_splits` forces the split count (tests); `block_n`, `num_warps` and
+    `num_stages` override the tile choice (scripts/bench_decode_attention.py
+    sweeps them). Nothing here reads a device value on the host, so the call
+    can be captured in a CUDA graph. The caches may be float8 (e4m3) while q is
+    bf16/fp16/fp32: each tile is widened exactly before its dots, which run in
+    float16 for a 16-bit q (q scaled and rounded to float16's 11 bits: finer
+    than bf16's 8) and in q's dtype for float32.
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -296,11 +344,12 @@ def decode_attention(
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         D=head_dim,
         BS=block_size,
-        BLOCK_N=_decode_block_n(head_dim, k_cache.dtype),
+        BLOCK_N=block_n or _decode_block_n(head_dim, k_cache.dtype),
         SPLIT=split,
         PREC=_dot_precision(q.dtype),
-        num_warps=DECODE_NUM_WARPS,
-        num_stages=DECODE_NUM_STAGES,
+        FP16_DOTS=k_cache.dtype.itemsize == 1 and q.dtype.itemsize == 2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if split:
         _decode_reduce_kernel[(batch, num_heads)](

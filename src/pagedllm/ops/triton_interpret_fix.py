@@ -1,12 +1,19 @@
-"""A shim for Triton 3.6's CPU interpreter under NumPy >= 2.4 (triton-lang/triton#9171).
+"""Two shims for Triton 3.6's CPU interpreter, applied only when interpreting.
 
-Owns: nothing numerical. Under `TRITON_INTERPRET=1` every scalar is a 1-element
-NumPy array, and the interpreter turns one into a Python int with
-`int(array)`, which NumPy 2.4 made an error: any loop whose bound is a loaded
-value (`for n0 in range(start, seq_len, BLOCK_N)`) then fails. Upstream's fix
-squeezes the array first; this applies the same one-liner, only when
-interpreting and only to an interpreter that still has the bug. Compiled (GPU)
-kernels never pass through here.
+Owns: nothing numerical of ours. Compiled (GPU) kernels never pass through here.
+
+1. NumPy >= 2.4 (triton-lang/triton#9171). Under `TRITON_INTERPRET=1` every
+   scalar is a 1-element NumPy array, and the interpreter turns one into a
+   Python int with `int(array)`, which NumPy 2.4 made an error: any loop whose
+   bound is a loaded value (`for n0 in range(start, seq_len, BLOCK_N)`) then
+   fails. Upstream's fix squeezes the array first; this applies the same
+   one-liner, only to an interpreter that still has the bug.
+2. Rounding to float8 e4m3 (the fp8 K/V cache). The interpreter's bit-level
+   downcast drops mantissa bits with a one-bit round-up that never carries into
+   the exponent (0.0307 becomes 0.0156) and flushes e4m3's subnormals to zero.
+   The GPU rounds to nearest even, as `torch.Tensor.to(torch.float8_e4m3fn)`
+   does: this routes the interpreter's casts to e4m3 through torch. (Casts out
+   of fp8 are exact in the interpreter and are left alone.)
 """
 
 from __future__ import annotations
@@ -15,6 +22,11 @@ import os
 
 
 def apply() -> None:
+    _fix_index()
+    _fix_fp8_rounding()
+
+
+def _fix_index() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return
     try:
@@ -31,6 +43,36 @@ def apply() -> None:
 
     patch_lang_tensor._pagedllm_fixed = True
     interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+def _fix_fp8_rounding() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
+    try:
+        import numpy as np
+        import torch
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    original = getattr(builder, "create_fp_to_fp", None)
+    if original is None or getattr(original, "_pagedllm_fixed", False):
+        return
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        src_ty = src.dtype.scalar
+        if dst_type.scalar != tl.float8e4nv or src_ty not in (tl.float32, tl.bfloat16, tl.float16):
+            return original(self, src, dst_type, rounding_mode)
+        data = src.data
+        if src_ty == tl.bfloat16:  # stored as uint16: its bits are float32's top half
+            data = (data.astype(np.uint32) << 16).view(np.float32)
+        x = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+        bits = x.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return interpreter.TensorHandle(bits, dst_type.scalar)
+
+    create_fp_to_fp._pagedllm_fixed = True
+    builder.create_fp_to_fp = create_fp_to_fp
 
 
 apply()

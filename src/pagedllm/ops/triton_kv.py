@@ -7,7 +7,9 @@ Owns: `store_kvcache` and `embedding`. Does not own: the numerics
 store_kvcache: one program per token copies its K and V rows (Hkv, D) to slot
 `page * BS + offset` of the (NB, BS, Hkv, D) caches. k and v may be strided views
 of the fused QKV output. A negative slot is a no-op: padding rows of a captured
-CUDA graph batch point there.
+CUDA graph batch point there. A float8 cache gets `to_cache`'s clamp and
+round-to-nearest-even cast (`reference.to_cache_dtype`); `rope_and_store` uses it
+too.
 
 embedding: a plain row gather, (T,) ids -> (T, E). It is a Triton kernel only so
 that every op of the forward pass is ours; `weight[input_ids]` would cost the
@@ -19,6 +21,22 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm.ops.reference import FP8_KV_DTYPE, FP8_KV_MAX
+
+
+def cache_max(cache: torch.Tensor) -> float:
+    """`to_cache`'s CACHE_MAX for a cache: float8's largest value, else 0 (no clamp)."""
+    return FP8_KV_MAX if cache.dtype == FP8_KV_DTYPE else 0.0
+
+
+@triton.jit
+def to_cache(x, cache_ptr, CACHE_MAX: tl.constexpr):
+    """x as the cache at cache_ptr stores it: clamped to +-CACHE_MAX first when that
+    is not 0 (a float8 cache), then cast (rounding to nearest even)."""
+    if CACHE_MAX > 0:
+        x = tl.clamp(x.to(tl.float32), -CACHE_MAX, CACHE_MAX)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -42,6 +60,7 @@ def _store_kvcache_kernel(
     D: tl.constexpr,
     BS: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    CACHE_MAX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -53,11 +72,11 @@ def _store_kvcache_kernel(
     src = offs_h[:, None] * stride_kh + offs_d[None, :]
     k = tl.load(k_ptr + t * stride_kt + src, mask=mask)
     dst = page * stride_kc_nb + row * stride_kc_bs + offs_h[:, None] * stride_kc_h + offs_d[None, :]
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, to_cache(k, k_cache_ptr, CACHE_MAX), mask=mask)
     src = offs_h[:, None] * stride_vh + offs_d[None, :]
     v = tl.load(v_ptr + t * stride_vt + src, mask=mask)
     dst = page * stride_vc_nb + row * stride_vc_bs + offs_h[:, None] * stride_vc_h + offs_d[None, :]
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, to_cache(v, v_cache_ptr, CACHE_MAX), mask=mask)
 
 
 def store_kvcache(
@@ -94,6 +113,7 @@ def store_kvcache(
         D=head_dim,
         BS=k_cache.shape[1],
         BLOCK_H=block_h,
+        CACHE_MAX=cache_max(k_cache),
         num_warps=4 if block_h * head_dim <= 2048 else 8,
     )
 

@@ -10,7 +10,8 @@ which live in the (P, D) float32 [cos | sin] cache built by
 q (T, H, D) and k (T, Hkv, D) may be strided views of the fused QKV output
 (row stride (H + 2Hkv) * D); only their last dim must be contiguous. One
 program per token loads that position's cos/sin once and rotates every head
-of q and k.
+of q and k. The cache write goes through `triton_kv.to_cache` (a float8 cache
+clamps, then rounds).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm.ops.triton_kv import cache_max, to_cache
 
 
 @triton.jit
@@ -124,6 +127,7 @@ def _rope_store_kernel(
     BS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
+    CACHE_MAX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
@@ -155,8 +159,8 @@ def _rope_store_kernel(
         + offs_h[:, None] * stride_kc_h
         + offs_d[None, :]
     )
-    tl.store(dst, o1.to(k_cache_ptr.dtype.element_ty), mask=in_cache)
-    tl.store(dst + HALF, o2.to(k_cache_ptr.dtype.element_ty), mask=in_cache)
+    tl.store(dst, to_cache(o1, k_cache_ptr, CACHE_MAX), mask=in_cache)
+    tl.store(dst + HALF, to_cache(o2, k_cache_ptr, CACHE_MAX), mask=in_cache)
     src = v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
     dst = (
         v_cache_ptr
@@ -167,7 +171,7 @@ def _rope_store_kernel(
     )
     for half in tl.static_range(2):
         v = tl.load(src + half * HALF, mask=in_cache)
-        tl.store(dst + half * HALF, v.to(v_cache_ptr.dtype.element_ty), mask=in_cache)
+        tl.store(dst + half * HALF, to_cache(v, v_cache_ptr, CACHE_MAX), mask=in_cache)
 
 
 def rope_and_store(
@@ -219,6 +223,7 @@ def rope_and_store(
         BS=k_cache.shape[1],
         BLOCK_H=block_h,
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+        CACHE_MAX=cache_max(k_cache),
         num_warps=4 if block_h * head_dim <= 4096 else 8,
     )
     return q, k

@@ -1,7 +1,7 @@
 """ModelRunner: the one place where Python lists become tensors.
 
 Owns: the KV cache tensors (per layer, K and V of shape (NB, BS, Hkv, D) in
-the compute dtype), turning a step's plan (`SchedulerOutput`) into a
+the compute dtype, or float8 e4m3 with `--kv-cache-dtype fp8`), turning a step's plan (`SchedulerOutput`) into a
 `ForwardBatch`, running the model (or replaying a decode CUDA graph that
 copies from the same host arrays), sampling on the device, and handing back
 plain host lists (`RunnerOutput`): one device-to-host copy per step. Also owns
@@ -27,6 +27,7 @@ from pagedllm.model.llama import KVCache, LlamaModel
 from pagedllm.model.loader import resolve_device, resolve_dtype
 from pagedllm.model.parallel import TensorParallel
 from pagedllm.ops import implementation_name
+from pagedllm.ops.reference import FP8_KV_DTYPE
 from pagedllm.request import Request
 from pagedllm.resolve import resolve_model_path
 from pagedllm.runner.batch import HostBatch
@@ -45,6 +46,7 @@ class KVCacheSpec:
     num_blocks: int
     block_size: int
     bytes_per_token: int  # K + V across all layers
+    dtype: torch.dtype  # of the K/V pages: the model's, or float8 e4m3
 
     @property
     def num_tokens(self) -> int:
@@ -124,20 +126,41 @@ def load_or_check_model(
     return model
 
 
+def kv_cache_dtype(setting: str, model: LlamaModel) -> torch.dtype:
+    """The dtype of the K/V pages for `EngineConfig.kv_cache_dtype`: "auto" is the
+    model's; "fp8" is float8 e4m3, which the GPU kernels convert in hardware from
+    compute capability 8.9 (Ada, Hopper) on."""
+    if setting == "auto":
+        return model.dtype
+    if setting != "fp8":
+        raise ValueError(f"kv_cache_dtype={setting!r} is not one of auto, fp8")
+    if model.device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(model.device)
+        if (major, minor) < (8, 9):
+            raise ValueError(
+                f"--kv-cache-dtype fp8 needs a GPU of compute capability 8.9 or newer "
+                f"(this one is {major}.{minor}); use --kv-cache-dtype auto"
+            )
+    return FP8_KV_DTYPE
+
+
 def plan_kv_cache(
     model: LlamaModel,
     block_size: int,
     kv_cache_mib: float | None,
     max_model_len: int,
     max_num_seqs: int,
+    dtype: torch.dtype | None = None,
 ) -> tuple[KVCacheSpec, str]:
     """How many pages to allocate, and a sentence saying why.
 
     `kv_cache_mib` counts K+V across all layers. Without it: on CUDA, 85% of
     the free device memory (vLLM's default leaves 10%); on the CPU, 256 MiB.
-    Never more than max_num_seqs full-length sequences could use.
+    Never more than max_num_seqs full-length sequences could use. `dtype`: of
+    the pages (`kv_cache_dtype`); None: the model's.
     """
-    itemsize = torch.finfo(model.dtype).bits // 8
+    dtype = dtype or model.dtype
+    itemsize = dtype.itemsize
     per_token = model.config.kv_bytes_per_token(itemsize)
     per_block = per_token * block_size
     if kv_cache_mib is not None:
@@ -159,7 +182,7 @@ def plan_kv_cache(
             f"the KV cache budget ({budget / MiB:.1f} MiB) holds not one page of {block_size} tokens "
             f"({per_block / MiB:.3f} MiB); raise --kv-cache-mib"
         )
-    return KVCacheSpec(int(num_blocks), block_size, per_token), why
+    return KVCacheSpec(int(num_blocks), block_size, per_token, dtype), why
 
 
 class ModelRunner:
@@ -194,8 +217,8 @@ class ModelRunner:
         shape = (kv_spec.num_blocks, kv_spec.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches: list[KVCache] = [
             (
-                torch.zeros(shape, dtype=model.dtype, device=self.device),
-                torch.zeros(shape, dtype=model.dtype, device=self.device),
+                torch.zeros(shape, dtype=kv_spec.dtype, device=self.device),
+                torch.zeros(shape, dtype=kv_spec.dtype, device=self.device),
             )
             for _ in range(cfg.num_hidden_layers)
         ]

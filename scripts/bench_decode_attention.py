@@ -1,0 +1,164 @@
+"""Paged decode attention over bf16 pages against float8 (e4m3) pages (GPU).
+
+For the attention shapes of Llama-3.2-1B (32 heads, 8 KV heads, D 64) and
+Llama-3.1-8B (32, 8, D 128), at the throughput workload's middle (batch 256,
+~790 tokens of context), a long context (batch 64, 2,048) and batch 1 (640):
+the bf16 and the float8 cache, each with the engine's tile and at each
+(BLOCK_N, num_warps, num_stages) of a small grid. Each case is timed as the
+engine runs it: a CUDA graph of one call per layer, each layer with its own
+pages, replayed; time per call = graph time / layers. GB/s counts the K and V
+bytes of every context once (what a call must read); the ceiling is the
+4.28 TB/s copy rate.
+
+    PYTHONPATH=src python3 scripts/bench_decode_attention.py [--quick] [--json PATH]
+
+Prints a table per case and one JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from pagedllm.ops import triton_attention as ta
+
+COPY = 4.28e12
+BS = 16
+SHAPES = [("1B", 32, 8, 64, 16), ("8B", 32, 8, 128, 32)]  # name, H, Hkv, D, layers
+CASES = [(256, 790), (64, 2048), (1, 640)]  # batch, context
+FP8 = torch.float8_e4m3fn
+
+
+def make_layers(batch, ctx, hkv, d, layers):
+    """Random bf16 pages for each layer, and one shuffled block table for all."""
+    pages = -(-ctx // BS)
+    caches = []
+    for _ in range(layers):
+        k = torch.randn(batch * pages, BS, hkv, d, device="cuda", dtype=torch.bfloat16)
+        caches.append((k, torch.randn_like(k)))
+    tables = torch.randperm(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
+    return caches, tables
+
+
+def graph_us(fn, layers: int, replays: int = 10) -> float:
+    for i in range(min(2, layers)):
+        fn(i)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(layers):
+            fn(i)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * layers)
+
+
+def run_case(shape, batch, ctx, grid) -> list[dict]:
+    name, h, hkv, d, layers = shape
+    q = torch.randn(batch, h, d, device="cuda", dtype=torch.bfloat16)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    bf16_caches, tables = make_layers(batch, ctx, hkv, d, layers)
+    want = ta.decode_attention(q, *bf16_caches[0], tables, seq_lens, d**-0.5, max_seq_len=ctx)
+    rows = []
+    for dtype in (torch.bfloat16, FP8):
+        caches = [(k.to(dtype), v.to(dtype)) for k, v in bf16_caches]
+        nbytes = 2 * batch * ctx * hkv * d * dtype.itemsize
+        for cfg in [None, *grid]:
+            names = ("block_n", "num_warps", "num_stages")
+            kw = {} if cfg is None else dict(zip(names, cfg))
+
+            def fn(i, kw=kw, caches=caches):
+                return ta.decode_attention(
+                    q, *caches[i], tables, seq_lens, d**-0.5, max_seq_len=ctx, **kw
+                )
+
+            try:
+                us = graph_us(fn, layers)
+                out = fn(0)
+            except Exception as e:  # a tile that does not fit: skip it
+                print(f"  {name} {dtype} {cfg}: {type(e).__name__}")
+                continue
+            err = ((out.float() - want.float()).norm() / want.float().norm()).item()
+            rows.append(
+                dict(
+                    shape=name,
+                    batch=batch,
+                    ctx=ctx,
+                    dtype=str(dtype).removeprefix("torch."),
+                    config="default" if cfg is None else list(cfg),
+                    us=round(us, 2),
+                    gbps=round(nbytes / us / 1e3, 1),
+                    err_vs_bf16=round(err, 4),
+                )
+            )
+        del caches
+    del bf16_caches
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the default tiles only")
+    ap.add_argument("--json", help="write the rows here too")
+    args = ap.parse_args()
+    grid = [] if args.quick else list(itertools.product((64, 128, 256), (4, 8), (2, 3)))
+    rows, summary = [], []
+    for shape in SHAPES:
+        for batch, ctx in CASES:
+            case = run_case(shape, batch, ctx, grid)
+            best = {}
+            for dt in ("bfloat16", "float8_e4m3fn"):
+                mine = [r for r in case if r["dtype"] == dt]
+                best[dt] = (
+                    next(r for r in mine if r["config"] == "default"),
+                    min(mine, key=lambda r: r["us"]),
+                )
+            (b_dflt, b_best), (f_dflt, f_best) = best["bfloat16"], best["float8_e4m3fn"]
+            print(
+                f"{shape[0]} B={batch:<4} ctx={ctx:<5} bf16 {b_dflt['us']:7.2f} us "
+                f"({b_dflt['gbps']:6.0f} GB/s), best {b_best['us']:7.2f} {b_best['config']} | "
+                f"fp8 {f_dflt['us']:7.2f} us ({f_dflt['gbps']:6.0f} GB/s), best "
+                f"{f_best['us']:7.2f} {f_best['config']} | fp8 err {f_dflt['err_vs_bf16']}"
+            )
+            summary.append(
+                dict(
+                    shape=shape[0],
+                    batch=batch,
+                    ctx=ctx,
+                    bf16_us=b_dflt["us"],
+                    bf16_best_us=b_best["us"],
+                    bf16_best=b_best["config"],
+                    fp8_us=f_dflt["us"],
+                    fp8_best_us=f_best["us"],
+                    fp8_best=f_best["config"],
+                )
+            )
+            rows += case
+        # The one tile per dtype that serves every case of this shape best (sum of times).
+        for dt in ("bfloat16", "float8_e4m3fn"):
+            totals: dict[str, float] = {}
+            for r in rows:
+                if r["shape"] == shape[0] and r["dtype"] == dt:
+                    totals[str(r["config"])] = totals.get(str(r["config"]), 0.0) + r["us"]
+            ranked = sorted(totals.items(), key=lambda kv: kv[1])[:4]
+            print(
+                f"{shape[0]} {dt} tiles, summed over the cases: "
+                + ", ".join(f"{c} {t:.1f} us" for c, t in ranked)
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print(json.dumps({"decode_attention": summary}))
+
+
+if __name__ == "__main__":
+    main()
