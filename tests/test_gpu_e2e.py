@@ -400,6 +400,36 @@ def test_async_scheduling_changes_no_greedy_output_fp32():
             assert la.keys() == lb.keys() and max(abs(la[k] - lb[k]) for k in la) < 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_programmatic_dependent_launch_changes_nothing(dtype, monkeypatch):
+    """Batch-1 decode steps launch their layers' kernels as programmatic
+    dependents (ops/triton_pdl.py), in the decode CUDA graphs too; other steps
+    (prefill graphs, batched decode over cuBLAS) do not. The same tokens and
+    log-probs, bit for bit, as with PDL off; captures at every batch size work."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.ops import triton_pdl
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf, cfg = preset_hf_model(dtype, seed=3, num_layers=2, spread=True)
+    ours = ours_from_hf(hf, cfg, dtype)
+    del hf
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 128000, (n,), generator=g).tolist() for n in (40, 7, 300)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)
+
+    def run(enabled):
+        monkeypatch.setattr(triton_pdl, "ENABLED", enabled)
+        llm = LLM(model=ours, kv_cache_mib=256, max_model_len=1024, max_num_seqs=4)
+        alone = [llm.generate([p], params)[0] for p in prompts]  # batch-1 decode
+        batched = llm.generate(prompts, params)
+        llm.close()
+        return alone + batched
+
+    for a, b in zip(run(True), run(False)):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs
+
+
 def test_block_table_copies_are_not_overwritten_while_queued():
     """With the GPU behind the host, the next step's batch is built while this
     one's host-to-device copies are still queued: the block-table mirror they

@@ -93,14 +93,31 @@ class LlamaModel:
         """Hidden states (N, E) after the final norm, for the rows batch.logits_indices."""
         impl = ops.implementation(self.device, self.ops_mode)
         cfg = self.config
-        num_tokens = batch.num_tokens
-        q_size, kv_size = cfg.q_size, cfg.kv_size
-
         hidden = self._embed(impl, batch.input_ids)  # (T, E)
-        residual = None
         tracer = self.tracer
         if tracer is not None:
             tracer(-1, "embedding", hidden)
+        # One token (batch-1 decode): every kernel of the layers is ours, so each may
+        # start while the one before finishes (ops/triton_pdl.py).
+        with ops.kernel_chain(batch.num_tokens == 1 and self.tp is None):
+            hidden, residual = self._layers(impl, batch, hidden, kv_caches)
+
+        # 5. Only the rows whose logits are wanted go through the final norm and LM head.
+        idx = batch.logits_indices
+        out, _ = impl.fused_add_rms_norm(hidden[idx], residual[idx], self.norm, cfg.rms_norm_eps)
+        if tracer is not None:  # the rows that go to the LM head
+            tracer(len(self.layers), "final_norm", out)
+        return out  # (N, E)
+
+    def _layers(
+        self, impl, batch: ForwardBatch, hidden: torch.Tensor, kv_caches: list[KVCache] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers: (hidden, residual) of the last layer, not yet added."""
+        cfg = self.config
+        num_tokens = batch.num_tokens
+        q_size, kv_size = cfg.q_size, cfg.kv_size
+        tracer = self.tracer
+        residual = None
         for i, layer in enumerate(self.layers):
             # 1. Pre-attention norm; the residual add of the previous layer is fused in.
             if residual is None:
@@ -156,13 +173,7 @@ class LlamaModel:
                 tracer(i, "down", hidden)
                 # the residual stream after this layer (HF's hidden state)
                 tracer(i, "hidden", hidden + residual)
-
-        # 5. Only the rows whose logits are wanted go through the final norm and LM head.
-        idx = batch.logits_indices
-        out, _ = impl.fused_add_rms_norm(hidden[idx], residual[idx], self.norm, cfg.rms_norm_eps)
-        if tracer is not None:  # the rows that go to the LM head
-            tracer(len(self.layers), "final_norm", out)
-        return out  # (N, E)
+        return hidden, residual
 
     def _embed(self, impl, input_ids: torch.Tensor) -> torch.Tensor:
         """(T,) ids -> (T, E). Vocabulary-parallel: each rank embeds the ids of its

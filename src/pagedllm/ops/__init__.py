@@ -14,7 +14,10 @@ model holds at most the mode it was asked for.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+from collections.abc import Iterator
 from functools import lru_cache
 from types import ModuleType
 
@@ -100,3 +103,26 @@ def _interpreted() -> bool:
 def implementation_name(device: torch.device | str, mode: str | None = None) -> str:
     """The name of what `implementation(device, mode)` returns: reference or triton."""
     return "reference" if implementation(device, mode) is reference else "triton"
+
+
+# Programmatic dependent launch (ops/triton_pdl.py) is used only inside a chain of
+# kernels that are all ours: a CUDA graph refuses such a launch after a node that
+# is not one of them (stream capture failed after cuBLAS's float32 GEMMs).
+_KERNEL_CHAIN = contextvars.ContextVar("pagedllm_kernel_chain", default=False)
+
+
+@contextlib.contextmanager
+def kernel_chain(active: bool = True) -> Iterator[None]:
+    """Within (when `active`), our Triton kernels may launch as programmatic
+    dependents of the kernel before them. `LlamaModel.forward` opens it around
+    its layers when one token runs (batch-1 decode: GEMVs, norms, RoPE + KV
+    store and decode attention, all Triton)."""
+    token = _KERNEL_CHAIN.set(active)
+    try:
+        yield
+    finally:
+        _KERNEL_CHAIN.reset(token)
+
+
+def in_kernel_chain() -> bool:
+    return _KERNEL_CHAIN.get()

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.ops import triton_interpret_fix  # noqa: F401  (CPU interpreter + NumPy 2.4)
+from pagedllm.ops.triton_pdl import pdl_start, pdl_wait, use_pdl
 
 LOG2E = 1.4426950408889634
 
@@ -176,7 +177,10 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     PREC: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 caches, 16-bit q: see below
+    PDL: tl.constexpr,  # a programmatic dependent launch (ops/triton_pdl.py)
 ):
+    pdl_start(PDL)
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -246,7 +250,10 @@ def _decode_reduce_kernel(
     stride_ob,
     stride_oh,
     D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
+    pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     bh = b.to(tl.int64) * tl.num_programs(1) + h
@@ -311,6 +318,7 @@ def decode_attention(
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
         num_splits = num_decode_splits(batch, num_kv_heads, bound, _num_sms(q.device))
     split = num_splits > 1
+    pdl = use_pdl(q)
     if split:
         part_o = torch.empty(
             (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
@@ -348,12 +356,23 @@ def decode_attention(
         SPLIT=split,
         PREC=_dot_precision(q.dtype),
         FP16_DOTS=k_cache.dtype.itemsize == 1 and q.dtype.itemsize == 2,
+        PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        launch_pdl=pdl,
     )
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
-            part_o, part_lse, out, num_splits, out.stride(0), out.stride(1), D=head_dim, num_warps=1
+            part_o,
+            part_lse,
+            out,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            D=head_dim,
+            PDL=pdl,
+            num_warps=1,
+            launch_pdl=pdl,
         )
     return out
 

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from pagedllm.ops import triton_interpret_fix  # noqa: F401  (CPU interpreter + NumPy 2.4)
 from pagedllm.ops.triton_act import silu_and_mul
+from pagedllm.ops.triton_pdl import pdl_start, pdl_wait, use_pdl
 
 # x rows up to which the GEMV serves: at 2 and 4 rows cuBLAS was as fast or faster
 # (scripts/bench_gemv.py, H200, 2026-12-01: 1B gate_up 34 vs 27 us at M = 2).
@@ -59,6 +60,19 @@ def config_for(n: int, k: int) -> tuple[int, int, int]:
 
 
 @triton.jit
+def _load_x(x_row, k, k_ok, K, ACT: tl.constexpr):
+    """A chunk of the x row in float32; with ACT, silu(gate) * up rounded as
+    reference.silu_and_mul rounds it."""
+    if ACT:
+        gate = tl.load(x_row + k, mask=k_ok, other=0.0)
+        up = tl.load(x_row + K + k, mask=k_ok, other=0.0)
+        g = gate.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        return (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+    return tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,  # (M, K), or (M, 2K) laid out [gate | up] when ACT
     w_ptr,  # (N, K), rows contiguous
@@ -72,7 +86,9 @@ def _gemv_kernel(
     ACT: tl.constexpr,  # x = silu(gate) * up, computed as reference.silu_and_mul rounds it
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent of the kernel before it
 ):
+    pdl_start(PDL)  # ops/triton_pdl.py
     pid = tl.program_id(0)
     m = pid % M  # the x rows of one W block are neighbours in the grid (L2 reuse)
     rows = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
@@ -80,18 +96,16 @@ def _gemv_kernel(
     cols = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w  # (BLOCK_N, 1)
     x_row = x_ptr + m.to(tl.int64) * stride_x
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # The first chunk of W is read before waiting for the kernel that writes x:
+    # weights never depend on it, so with PDL their load overlaps that kernel.
+    k_ok = cols < K
+    w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    pdl_wait(PDL)
+    acc = w.to(tl.float32) * _load_x(x_row, cols, k_ok, K, ACT)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + cols
         k_ok = k < K
-        if ACT:
-            gate = tl.load(x_row + k, mask=k_ok, other=0.0)
-            up = tl.load(x_row + K + k, mask=k_ok, other=0.0)
-            g = gate.to(tl.float32)
-            silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-            x = (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
-        else:
-            x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+        x = _load_x(x_row, k, k_ok, K, ACT)
         w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)  # (BLOCK_N,)
@@ -105,10 +119,12 @@ def gemv(
     weight: torch.Tensor,
     act: bool = False,
     config: tuple[int, int, int] | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """x (M, K) -> (M, N) = x @ weight.T, weight (N, K); with `act`, x is (M, 2K)
     [gate | up] and silu(gate) * up is what multiplies. `config`: (BLOCK_N,
-    BLOCK_K, num_warps), default `config_for(N, K)`."""
+    BLOCK_K, num_warps), default `config_for(N, K)`. `pdl`: launch as a
+    programmatic dependent (ops/triton_pdl.py); None: `use_pdl(x)`."""
     n, k = weight.shape
     m = x.shape[0]
     if x.stride(-1) != 1:
@@ -117,6 +133,8 @@ def gemv(
     if m == 0:
         return out
     block_n, block_k, warps = config or config_for(n, k)
+    if pdl is None:
+        pdl = use_pdl(x)
     grid = (triton.cdiv(n, block_n) * m,)
     _gemv_kernel[grid](
         x,
@@ -131,7 +149,9 @@ def gemv(
         ACT=act,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        PDL=pdl,
         num_warps=warps,
+        launch_pdl=pdl,
     )
     return out
 

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.ops.triton_pdl import pdl_start, pdl_wait, use_pdl
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -31,7 +33,10 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # a programmatic dependent launch (ops/triton_pdl.py)
 ):
+    pdl_start(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < E
@@ -59,6 +64,7 @@ def _launch(x2, res2, weight, out2, eps, has_residual):
     block = triton.next_power_of_2(hidden)
     # 16 bytes per thread per load at E=2048 bf16 with 8 warps.
     num_warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
+    pdl = use_pdl(x2)
     _rms_norm_kernel[(num_rows,)](
         x2,
         res2,
@@ -71,7 +77,9 @@ def _launch(x2, res2, weight, out2, eps, has_residual):
         eps,
         HAS_RESIDUAL=has_residual,
         BLOCK=block,
+        PDL=pdl,
         num_warps=num_warps,
+        launch_pdl=pdl,
     )
 
 

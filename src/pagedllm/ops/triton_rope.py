@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.ops.triton_kv import cache_max, to_cache
+from pagedllm.ops.triton_pdl import pdl_start, pdl_wait, use_pdl
 
 
 @triton.jit
@@ -128,7 +129,10 @@ def _rope_store_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     CACHE_MAX: tl.constexpr,
+    PDL: tl.constexpr,  # a programmatic dependent launch (ops/triton_pdl.py)
 ):
+    pdl_start(PDL)
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     offs_d = tl.arange(0, HALF)
@@ -224,6 +228,8 @@ def rope_and_store(
         BLOCK_H=block_h,
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         CACHE_MAX=cache_max(k_cache),
+        PDL=use_pdl(q),
         num_warps=4 if block_h * head_dim <= 4096 else 8,
+        launch_pdl=use_pdl(q),
     )
     return q, k

@@ -1,0 +1,98 @@
+"""Programmatic dependent launch (PDL) for the batch-1 GEMVs: does it help? (GPU)
+
+A batch-1 decode step is a chain of small kernels, each waiting for the one
+before. With PDL (Hopper+), a kernel's programs may start while the previous
+kernel's last wave still runs: they read their first chunk of W (which never
+depends on the previous kernel) and then wait (`gdc_wait`) for its output.
+
+For the layer shapes of Llama-3.2-1B (16 layers) and Llama-3.1-8B (32): the
+chain qkv -> o_proj -> gate/up -> down(+SwiGLU) of every layer, each GEMV's
+x the previous one's output, captured in one CUDA graph and replayed. Time
+per layer with PDL off and on, and the same chain with an RMSNorm kernel
+(launched normally) before qkv and gate/up, as in the model. The outputs of
+both must be equal bit for bit.
+
+    PYTHONPATH=src python3 scripts/bench_pdl.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from pagedllm.ops import triton_gemv
+from pagedllm.ops.triton_norm import rms_norm
+
+SHAPES = [  # name, E, H*D, qkv N, I, layers
+    ("1B", 2048, 2048, 3072, 8192, 16),
+    ("8B", 4096, 4096, 6144, 14336, 32),
+]
+
+
+def layer_weights(e, hd, n_qkv, inter, layers):
+    def w(n, k):
+        return torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+
+    return [(w(n_qkv, e), w(e, hd), w(2 * inter, e), w(e, inter)) for _ in range(layers)]
+
+
+def chain(x, weights, norm_w, pdl, norms):
+    for qkv_w, o_w, gu_w, down_w in weights:
+        h = rms_norm(x, norm_w, 1e-5) if norms else x
+        qkv = triton_gemv.gemv(h, qkv_w, pdl=pdl)
+        o = triton_gemv.gemv(qkv[:, : o_w.shape[1]], o_w, pdl=pdl)
+        h = rms_norm(o, norm_w, 1e-5) if norms else o
+        gu = triton_gemv.gemv(h, gu_w, pdl=pdl)
+        x = triton_gemv.gemv(gu, down_w, act=True, pdl=pdl)
+    return x
+
+
+def graph_us(fn, replays=20):
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays, out.clone()
+
+
+def main() -> None:
+    results = []
+    for name, e, hd, n_qkv, inter, layers in SHAPES:
+        weights = layer_weights(e, hd, n_qkv, inter, layers)
+        norm_w = torch.ones(e, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(1, e, device="cuda", dtype=torch.bfloat16)
+        for norms in (False, True):
+            row = {"shape": name, "norms": norms}
+            outs = {}
+            for pdl in (False, True, False, True):
+                args = (x, weights, norm_w, pdl, norms)
+                us, out = graph_us(lambda args=args: chain(*args))
+                row.setdefault(f"pdl_{pdl}", []).append(round(us / layers, 2))
+                outs[pdl] = out
+            row["equal"] = bool(torch.equal(outs[False], outs[True]))
+            wbytes = sum(t.numel() * 2 for ws in weights for t in ws)
+            best_on = min(row["pdl_True"])
+            row["tbps_on"] = round(wbytes / (best_on * layers) / 1e6, 2)
+            row["tbps_off"] = round(wbytes / (min(row["pdl_False"]) * layers) / 1e6, 2)
+            print(
+                f"{name} {'with' if norms else 'no'} norms: us/layer PDL off {row['pdl_False']} "
+                f"({row['tbps_off']} TB/s), on {row['pdl_True']} ({row['tbps_on']} TB/s), "
+                f"equal outputs: {row['equal']}"
+            )
+            results.append(row)
+        weights = None
+        torch.cuda.empty_cache()
+    print(json.dumps({"pdl": results}))
+
+
+if __name__ == "__main__":
+    main()
