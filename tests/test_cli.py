@@ -395,8 +395,15 @@ def test_stats_read_engine_totals_and_last_call(fake, capsys):
     out = capsys.readouterr().out
     assert "fake answer\n--- stats ---" in out
     assert "16.0" in out and "0.500 s" in out and "1 (0)" in out  # last_call
-    assert "2 / 2 / 1" in out and "torch CPU threads               3" in out  # totals
-    assert "prefix cache                    37.5% of prompt tokens reused (384 of 1024)" in out
+    assert "torch CPU threads               3" in out  # totals
+    assert "KV pages                        2 of 16 tokens, 0.5 MiB\n" in out
+    assert "KV pages in use at the peak     2 (0.5 MiB)" in out
+    assert "KV pages free after the run     1 (0 with a cached prefix)" in out
+    assert "engine steps (all-decode)       2 (7)" in out
+    assert (
+        "prefix cache                    37.5% of prompt tokens reused (384 of 1024), "
+        "0 cached pages evicted" in out
+    )
     assert "preemptions                     4" in out
     assert cli.main(["--stats", "--no-prefix-caching", "hi"]) == 0
     assert "prefix cache                    off (--no-prefix-caching)" in capsys.readouterr().out

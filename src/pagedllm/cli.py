@@ -480,10 +480,12 @@ def print_stats(
     if prefix_caching:
         reused = (
             f"{100 * s['prefix_cache_hit_rate']:.1f}% of prompt tokens reused "
-            f"({s['prefix_cache_hit_tokens']} of {s['prefix_cache_query_tokens']})"
+            f"({s['prefix_cache_hit_tokens']} of {s['prefix_cache_query_tokens']}), "
+            f"{s.get('prefix_cache_evictions', 0)} cached pages evicted"
         )
     else:
         reused = "off (--no-prefix-caching)"
+    dtype = s.get("kv_cache_dtype")
     rows = [
         ("requests (rejected)", f"{call['requests']} ({call['rejected']})"),
         ("prompt tokens", call["prompt_tokens"]),
@@ -496,13 +498,21 @@ def print_stats(
         ("preemptions", s["preemptions"]),
         ("prefix cache", reused),
         (
-            "pages total / peak used / free",
-            f"{s['pages_total']} / {s['pages_peak_used']} / {s['pages_free']}"
-            f"  ({s['pages_total_mib']:.1f} / {s['pages_peak_used_mib']:.1f} / "
-            f"{s['pages_free_mib']:.1f} MiB, {s['block_size']} tokens per page)",
+            "KV pages",
+            f"{s['pages_total']} of {s['block_size']} tokens, {s['pages_total_mib']:.1f} MiB"
+            + (f" of {dtype}" if dtype else ""),
+        ),
+        (
+            "KV pages in use at the peak",
+            f"{s['pages_peak_used']} ({s['pages_peak_used_mib']:.1f} MiB)",
+        ),
+        (
+            "KV pages free after the run",
+            f"{s['pages_free']} ({s.get('pages_cached', 0)} with a cached prefix)",
         ),
         ("prefill tokens", s["prefill_tokens"]),
         ("decode tokens", s["decode_tokens"]),
+        ("engine steps (all-decode)", f"{s['steps']} ({s['decode_steps']})"),
         ("host time per step", f"{s['host_time_per_step_ms']:.3f} ms"),
         ("torch CPU threads", s.get("threads", threads)),
     ]
