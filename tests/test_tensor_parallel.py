@@ -177,6 +177,28 @@ def test_llm_with_two_ranks_equals_one(models):
         two.generate(PROMPTS[:1], sp)
 
 
+def test_async_scheduling_with_two_ranks_equals_one(models):
+    """Async scheduling with tensor parallelism: a queued decode step's input ids
+    are sampled on rank 0 and reach the worker by a broadcast. Greedy tokens and
+    log-probs equal the one-process engine run without it."""
+    from pagedllm import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    settings = dict(device="cpu", dtype="float32", kv_cache_mib=1, block_size=4)
+    want = LLM(models[0], async_scheduling=False, **settings).generate(PROMPTS, sp)
+    with LLM(models[0], tensor_parallel_size=2, async_scheduling=True, **settings) as two:
+        got = two.generate(PROMPTS, sp)
+        alone = two.generate(PROMPTS[:1], sp)  # batch 1: every decode step queued ahead
+        stats = two.stats()
+    assert stats["async_scheduling"] and stats["steps_planned_ahead"] > 10
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert alone[0].token_ids == want[0].token_ids
+    for g, w in zip(got, want):
+        for gl, wl in zip(g.logprobs, w.logprobs):
+            assert gl.keys() == wl.keys()
+            assert all(abs(gl[t] - wl[t]) < 1e-4 for t in gl)
+
+
 def test_what_cannot_work_is_refused_before_any_process_starts(models):
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.engine_config import EngineConfig

@@ -210,10 +210,9 @@ class LLMEngine:
         # A step queued on the device whose results the next _step collects
         # (async scheduling only; a runner LaunchedStep).
         self._inflight = None
-        # Not yet with tensor parallelism: a queued step's input ids live on rank 0's device.
-        self.async_scheduling = (
-            config.async_scheduling_wanted(model.device.type) and self.workers is None
-        )
+        # With tensor parallelism too: a queued step's input ids, sampled on rank 0's
+        # device, reach the workers by a broadcast (ModelRunner._forward).
+        self.async_scheduling = config.async_scheduling_wanted(model.device.type)
         self.num_steps_planned_ahead = 0
         # A timeline.StepRecorder while pictures are wanted (`pagedllm --plot`); else None.
         self.recorder = None

@@ -62,6 +62,13 @@ class TensorParallel:
         dist.all_reduce(t, group=self.group)
         return t
 
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank `src`'s `t` into every rank's `t` (same shape and dtype), in place."""
+        import torch.distributed as dist
+
+        dist.broadcast(t, src=src, group=self.group)
+        return t
+
     def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """(N, Vp) logits of each rank -> (N, V), every rank."""
         import torch.distributed as dist

@@ -409,8 +409,8 @@ class ModelRunner:
             batch = self.forward_batch(host)
             self.fence.copies_queued()
             if fed is not None:
-                batch.input_ids = fed
-            logits = self._forward(host, batch)  # (rows, V) float32
+                batch.input_ids = fed.to(torch.long).contiguous()
+            logits = self._forward(host, batch, fed is not None)  # (rows, V) float32
         self.host_time_s += time.perf_counter() - t0
         self.num_steps += 1
         prompt_lp = self._prompt_logprobs(logits, plan, full) if full else {}
@@ -464,17 +464,21 @@ class ModelRunner:
                     logprobs[i] = entries[j]
         return RunnerOutput(sampled, logprobs, step.prompt_logprobs)
 
-    def _forward(self, host: HostBatch, batch: ForwardBatch) -> torch.Tensor:
+    def _forward(self, host: HostBatch, batch: ForwardBatch, fed: bool = False) -> torch.Tensor:
         """The model's logits for `batch`; with tensor-parallel workers, every rank
-        runs it at once (they meet in its collectives)."""
+        runs it at once (they meet in its collectives). `fed`: the batch's input
+        ids were sampled on this device by the step before (async scheduling) and
+        are not in `host`: they go to the workers by a broadcast from rank 0."""
         if self.workers is None:
             return self.model.compute_logits(self.model.forward(batch, self.kv_caches))
         # Once the workers have the batch, rank 0 must reach the end of the forward
         # pass too: a Ctrl-C waits for it, and any other failure leaves the ranks
         # out of step for good (the workers wait in a collective rank 0 left).
         with deferred_interrupts():
-            self.workers.send(("step", host))
+            self.workers.send(("step_fed" if fed else "step", host))
             try:
+                if fed:
+                    self.workers.tp.broadcast(batch.input_ids)
                 return self.model.compute_logits(self.model.forward(batch, self.kv_caches))
             except BaseException as e:
                 self.workers.step_failed(e)  # a dead worker is reported; else: broken

@@ -245,8 +245,9 @@ class TPWorkers:
 
     # ------------------------------------------------------------ rank 0's side
     def send(self, message: tuple[str, Any]) -> None:
-        """Hand every worker the same message: ("runner", kwargs), ("step", HostBatch)
-        or ("stop", None)."""
+        """Hand every worker the same message: ("runner", kwargs), ("step", HostBatch),
+        ("step_fed", HostBatch) (its input ids follow by a broadcast from rank 0:
+        `ModelRunner._forward`) or ("stop", None)."""
         if self.broken is not None:
             raise RuntimeError(self.broken)
         if self._shared.closing:
@@ -345,5 +346,7 @@ def _worker_loop(rank, size, port, setup: WorkerSetup, steps) -> None:
             break
         with torch.inference_mode():
             batch = runner.forward_batch(host)
+            if kind == "step_fed":  # async scheduling: ids rank 0 sampled, on its device
+                batch.input_ids = tp.broadcast(torch.empty_like(batch.input_ids))
             model.compute_logits(model.forward(batch, runner.kv_caches))
     dist.destroy_process_group()
