@@ -412,3 +412,29 @@ def test_bench_runs_a_tensor_parallel_engine(models, capsys):
     assert "with --tensor-parallel-size run throughput" in capsys.readouterr().err
     assert bench_main(["latency", *base[:-2], "--peer", "hf"]) == 2
     assert "add --peer none" in capsys.readouterr().err
+
+
+def test_the_pool_is_planned_from_the_least_free_memory_of_any_rank():
+    """A tensor-parallel engine passes the least free memory of its ranks
+    (`TensorParallel.min_over_ranks`, joined by every worker after loading), so
+    every rank can hold the same pool; the sentence says so. (A stand-in CUDA
+    model: only its config, dtype and device type are read.)"""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pagedllm.runner.model_runner import MiB, plan_kv_cache
+
+    model = SimpleNamespace(
+        device=torch.device("cuda"),
+        dtype=torch.bfloat16,
+        config=SimpleNamespace(kv_bytes_per_token=lambda itemsize: 1024 * itemsize),
+    )
+    free = 20 * 1024 * MiB
+    spec, why = plan_kv_cache(model, 16, None, 1 << 20, 4096, free_bytes=free, ranks=2)
+    per_page = 16 * 2048
+    assert spec.num_blocks == (int(free * 0.85) - 2 * 1024 * MiB) // per_page
+    assert (
+        why
+        == "85% of the least free GPU memory of 2 ranks (20.0 GiB free) less 2 GiB for activations"
+    )

@@ -112,6 +112,7 @@ class LLMEngine:
         from pagedllm.cpu_threads import apply_thread_policy
         from pagedllm.runner.model_runner import (
             ModelRunner,
+            free_device_bytes,
             kv_cache_dtype,
             load_or_check_model,
             plan_kv_cache,
@@ -151,6 +152,12 @@ class LLMEngine:
                     f"this model was loaded for; give at most {positions}"
                 )
             self.max_model_len = max_model_len
+            free_bytes = None
+            if self.workers is not None:  # every rank's pool is the same size: the least
+                self.workers.send(("free_memory", None))
+                free_bytes = self.workers.tp.min_over_ranks(
+                    free_device_bytes(model.device), model.device
+                )
             kv_spec, why = plan_kv_cache(
                 model,
                 config.block_size,
@@ -158,6 +165,8 @@ class LLMEngine:
                 max_model_len,
                 config.max_num_seqs,
                 kv_cache_dtype(config.kv_cache_dtype, model),
+                free_bytes=free_bytes,
+                ranks=config.tensor_parallel_size,
             )
             self.kv_spec = kv_spec
             per_rank = "" if self.workers is None else f" per rank (x{config.tensor_parallel_size})"

@@ -62,6 +62,14 @@ class TensorParallel:
         dist.all_reduce(t, group=self.group)
         return t
 
+    def min_over_ranks(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's `value` (each rank passes its own)."""
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank `src`'s `t` into every rank's `t` (same shape and dtype), in place."""
         import torch.distributed as dist

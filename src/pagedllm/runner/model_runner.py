@@ -144,6 +144,14 @@ def kv_cache_dtype(setting: str, model: LlamaModel) -> torch.dtype:
     return FP8_KV_DTYPE
 
 
+def free_device_bytes(device: torch.device) -> int:
+    """Free memory on a CUDA device, in bytes; 0 on the CPU (its pool has a fixed size)."""
+    if device.type != "cuda":
+        return 0
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
 def plan_kv_cache(
     model: LlamaModel,
     block_size: int,
@@ -151,13 +159,18 @@ def plan_kv_cache(
     max_model_len: int,
     max_num_seqs: int,
     dtype: torch.dtype | None = None,
+    free_bytes: int | None = None,
+    ranks: int = 1,
 ) -> tuple[KVCacheSpec, str]:
     """How many pages to allocate, and a sentence saying why.
 
     `kv_cache_mib` counts K+V across all layers. Without it: on CUDA, 85% of
     the free device memory (vLLM's default leaves 10%); on the CPU, 256 MiB.
     Never more than max_num_seqs full-length sequences could use. `dtype`: of
-    the pages (`kv_cache_dtype`); None: the model's.
+    the pages (`kv_cache_dtype`); None: the model's. `free_bytes`: the free
+    memory to plan for, given by a tensor-parallel engine (the least of its
+    `ranks` ranks' free memory, so every rank can hold the same pool); None:
+    this device's.
     """
     dtype = dtype or model.dtype
     itemsize = dtype.itemsize
@@ -169,9 +182,10 @@ def plan_kv_cache(
         budget = int(kv_cache_mib * MiB)
         why = f"--kv-cache-mib {kv_cache_mib:g}"
     elif model.device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(model.device)
+        free = free_device_bytes(model.device) if free_bytes is None else free_bytes
         budget = int(free * 0.85) - 2 * 1024 * MiB  # leave room for activations and graphs
-        why = f"85% of free GPU memory ({free / 2**30:.1f} GiB free) less 2 GiB for activations"
+        where = "free GPU memory" if ranks == 1 else f"the least free GPU memory of {ranks} ranks"
+        why = f"85% of {where} ({free / 2**30:.1f} GiB free) less 2 GiB for activations"
     else:
         budget = 256 * MiB
         why = "CPU default of 256 MiB (set --kv-cache-mib to change)"

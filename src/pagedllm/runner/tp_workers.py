@@ -245,7 +245,9 @@ class TPWorkers:
 
     # ------------------------------------------------------------ rank 0's side
     def send(self, message: tuple[str, Any]) -> None:
-        """Hand every worker the same message: ("runner", kwargs), ("step", HostBatch),
+        """Hand every worker the same message: ("free_memory", None) (then every rank
+        joins `TensorParallel.min_over_ranks` of its free device memory), ("runner",
+        kwargs), ("step", HostBatch),
         ("step_fed", HostBatch) (its input ids follow by a broadcast from rank 0:
         `ModelRunner._forward`) or ("stop", None)."""
         if self.broken is not None:
@@ -314,7 +316,7 @@ def _worker_loop(rank, size, port, setup: WorkerSetup, steps) -> None:
 
     from pagedllm.cpu_threads import apply_thread_policy
     from pagedllm.model import load_model
-    from pagedllm.runner.model_runner import ModelRunner
+    from pagedllm.runner.model_runner import ModelRunner, free_device_bytes
 
     apply_thread_policy(setup.threads)
     device = rank_device(setup.device_type, rank)
@@ -337,6 +339,9 @@ def _worker_loop(rank, size, port, setup: WorkerSetup, steps) -> None:
         load_format=setup.load_format,
     )
     kind, kwargs = steps.recv()
+    if kind == "free_memory":  # rank 0 sizes every rank's pool by the least free memory
+        tp.min_over_ranks(free_device_bytes(device), device)
+        kind, kwargs = steps.recv()
     if kind != "runner":
         raise RuntimeError(f"expected the runner's settings first, got {kind!r}")
     runner = ModelRunner(model, **kwargs)
