@@ -22,6 +22,7 @@ import itertools
 import json
 
 import torch
+from graph_timing import replay_us
 
 from pagedllm.ops import triton_attention as ta
 
@@ -44,21 +45,9 @@ def make_layers(batch, ctx, hkv, d, layers):
 
 
 def graph_us(fn, layers: int, replays: int = 10) -> float:
-    for i in range(min(2, layers)):
-        fn(i)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(layers):
-            fn(i)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * layers)
+    """Per-call time of fn(i) for every layer i, all captured in one graph."""
+    us, _ = replay_us(lambda: [fn(i) for i in range(layers)], replays)
+    return us / layers
 
 
 def run_case(shape, batch, ctx, grid) -> list[dict]:

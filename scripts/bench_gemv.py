@@ -27,6 +27,7 @@ import json
 from functools import partial
 
 import torch
+from graph_timing import replay_us
 
 from pagedllm.ops import reference as ref
 from pagedllm.ops import triton_gemv
@@ -51,21 +52,8 @@ def cublas_once(x: torch.Tensor, w: torch.Tensor, act: bool) -> torch.Tensor:
 
 def in_graph_us(fn, weights: list[torch.Tensor], replays: int = 20) -> float:
     """Per-call device time of fn(w) for each w in weights, captured in one CUDA graph."""
-    for w in weights[:2]:
-        fn(w)  # compile and warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            fn(w)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * len(weights))
+    us, _ = replay_us(lambda: [fn(w) for w in weights], replays)
+    return us / len(weights)
 
 
 def sweep(grid) -> list[dict]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 
 import torch
+from graph_timing import replay_us
 
 from pagedllm.ops import triton_gemv
 from pagedllm.ops.triton_norm import rms_norm
@@ -48,22 +49,6 @@ def chain(x, weights, norm_w, pdl, norms):
     return x
 
 
-def graph_us(fn, replays=20):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays, out.clone()
-
-
 def main() -> None:
     results = []
     for name, e, hd, n_qkv, inter, layers in SHAPES:
@@ -75,7 +60,8 @@ def main() -> None:
             outs = {}
             for pdl in (False, True, False, True):
                 args = (x, weights, norm_w, pdl, norms)
-                us, out = graph_us(lambda args=args: chain(*args))
+                us, out = replay_us(lambda args=args: chain(*args))
+                out = out.clone()
                 row.setdefault(f"pdl_{pdl}", []).append(round(us / layers, 2))
                 outs[pdl] = out
             row["equal"] = bool(torch.equal(outs[False], outs[True]))
