@@ -232,6 +232,21 @@ def test_roofline_bytes_read_per_decode_step():
     assert tied == untied == 2 * layer + 64 * 4 + 300 * 64 * 4 + 64 * 4
 
 
+def test_roofline_counts_float8_pages_at_one_byte():
+    """With --kv-cache-dtype fp8 the K/V part of a decode step's bytes is 1 byte a value."""
+    from pagedllm.bench.machine import decode_bytes_per_token, weight_bytes_per_decode_step
+    from pagedllm.config import ModelConfig
+    from pagedllm.model import dummy_model
+
+    cfg = ModelConfig(300, 64, 96, 2, 4, 2, 16, 1e-5, 1e4, None, False, 256, 1, (2,))
+    model = dummy_model(cfg, "cpu", "float32")
+    weights = weight_bytes_per_decode_step(model)
+    mean_context = 10 + 8 / 2
+    kv_values = 2 * 2 * 2 * 16  # K and V, 2 layers, 2 KV heads, head dim 16
+    assert decode_bytes_per_token(model, 10, 8) == weights + kv_values * 4 * mean_context
+    assert decode_bytes_per_token(model, 10, 8, 1) == weights + kv_values * mean_context
+
+
 # ------------------------------------------------------ prefix and pages
 CONTEXT_FIELDS = {
     "engine",

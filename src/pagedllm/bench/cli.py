@@ -355,7 +355,7 @@ def _run(args: argparse.Namespace, config: EngineConfig, argv: list[str]) -> int
     if args.workload == "pages":
         return _run_pages(args, model, settings, work, warmup, context)
     if args.workload == "latency":
-        _roofline(context, model, work)
+        _roofline(context, model, work, _kv_itemsize(settings, model))
 
     # 2. Ours.
     if llm is None:
@@ -461,7 +461,7 @@ def _run_pages(args, model, settings: dict[str, Any], work, warmup, context) -> 
     from pagedllm.bench import report
 
     mib = settings["kv_cache_mib"]
-    _check_pool_fits(model, mib, args.page_sizes, work)
+    _check_pool_fits(model, mib, args.page_sizes, work, settings)
     context["kv_cache_mib"] = mib
     context["workload_description"] += f", page pool {mib:g} MiB"
     _log(f"pagedllm: running pages ({work.description}) in {mib:g} MiB of pages")
@@ -486,13 +486,18 @@ def _run_pages(args, model, settings: dict[str, Any], work, warmup, context) -> 
     return 0
 
 
-def _check_pool_fits(model, mib: float, page_sizes: tuple[int, ...], work) -> None:
+def _kv_itemsize(settings: dict[str, Any], model) -> int:
+    """Bytes per cached K/V value: 1 with --kv-cache-dtype fp8, else the model's."""
+    return 1 if settings.get("kv_cache_dtype") == "fp8" else model.dtype.itemsize
+
+
+def _check_pool_fits(
+    model, mib: float, page_sizes: tuple[int, ...], work, settings: dict[str, Any]
+) -> None:
     """The reserve policy rejects a request whose pages exceed the pool: say so before running."""
     import math
 
-    import torch
-
-    per_token = model.config.kv_bytes_per_token(torch.finfo(model.dtype).bits // 8)
+    per_token = model.config.kv_bytes_per_token(_kv_itemsize(settings, model))
     longest = max(len(p) + m for p, m in zip(work.prompts, work.max_tokens))
     for bs in page_sizes:
         pages = int(mib * 2**20) // (per_token * bs)
@@ -595,12 +600,14 @@ def _measure(runner, args: argparse.Namespace, engine, work, warmup, cb_options=
     return runner.run_ttft(engine, work, warmup, _runs(args))
 
 
-def _roofline(context: dict[str, Any], model, work) -> None:
+def _roofline(context: dict[str, Any], model, work, kv_itemsize: int) -> None:
     """Batch-1 decode is bound by memory: bytes per token over the bandwidth is the floor."""
     from pagedllm.bench import machine
 
     bw, source = machine.memory_bandwidth_gbps(model.device)
-    per_token = machine.decode_bytes_per_token(model, len(work.prompts[0]), work.max_tokens[0])
+    per_token = machine.decode_bytes_per_token(
+        model, len(work.prompts[0]), work.max_tokens[0], kv_itemsize
+    )
     context.update(
         bandwidth_gbps=round(bw, 1),
         bandwidth_source=source,

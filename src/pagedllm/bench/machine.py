@@ -129,13 +129,16 @@ def weight_bytes_per_decode_step(model: LlamaModel) -> int:
     return total + model.embed_tokens.shape[1] * model.embed_tokens.element_size()
 
 
-def decode_bytes_per_token(model: LlamaModel, prompt_len: int, output_len: int) -> float:
+def decode_bytes_per_token(
+    model: LlamaModel, prompt_len: int, output_len: int, kv_itemsize: int | None = None
+) -> float:
     """Mean bytes read per batch-1 decode step over a whole request.
 
     The step that makes output token j (j = 2..n) attends over prompt + j - 1
-    cached tokens; the mean over j is prompt + n/2.
+    cached tokens; the mean over j is prompt + n/2. `kv_itemsize`: bytes per
+    cached K/V value (1 for float8 pages); None: the model's dtype.
     """
-    itemsize = model.dtype.itemsize
+    itemsize = kv_itemsize or model.dtype.itemsize
     kv_per_token = model.config.kv_bytes_per_token(itemsize)
     mean_context = prompt_len + output_len / 2
     return weight_bytes_per_decode_step(model) + kv_per_token * mean_context
