@@ -22,19 +22,27 @@ import os
 
 
 def apply() -> None:
-    _fix_index()
-    _fix_fp8_rounding()
-
-
-def _fix_index() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return
     try:
         from triton.runtime import interpreter
     except ImportError:
         return
-    original = getattr(interpreter, "_patch_lang_tensor", None)
+    _fix_index(interpreter)
+    _fix_fp8_rounding(interpreter)
+
+
+def _unfixed(owner, name: str):
+    """owner.name when it exists and is not already our replacement, else None."""
+    original = getattr(owner, name, None)
     if original is None or getattr(original, "_pagedllm_fixed", False):
+        return None
+    return original
+
+
+def _fix_index(interpreter) -> None:
+    original = _unfixed(interpreter, "_patch_lang_tensor")
+    if original is None:
         return
 
     def patch_lang_tensor(tensor, scope):
@@ -45,19 +53,14 @@ def _fix_index() -> None:
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
-def _fix_fp8_rounding() -> None:
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        return
-    try:
-        import numpy as np
-        import torch
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except ImportError:
-        return
+def _fix_fp8_rounding(interpreter) -> None:
+    import numpy as np
+    import torch
+    import triton.language as tl
+
     builder = getattr(interpreter, "InterpreterBuilder", None)
-    original = getattr(builder, "create_fp_to_fp", None)
-    if original is None or getattr(original, "_pagedllm_fixed", False):
+    original = _unfixed(builder, "create_fp_to_fp")
+    if original is None:
         return
 
     def create_fp_to_fp(self, src, dst_type, rounding_mode):

@@ -199,6 +199,7 @@ def rope_and_store(
     if num_tokens == 0:
         return q, k
     block_h = triton.next_power_of_2(num_heads)
+    pdl = use_pdl(q)
     _rope_store_kernel[(num_tokens,)](
         q,
         k,
@@ -228,8 +229,8 @@ def rope_and_store(
         BLOCK_H=block_h,
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         CACHE_MAX=cache_max(k_cache),
-        PDL=use_pdl(q),
+        PDL=pdl,
         num_warps=4 if block_h * head_dim <= 4096 else 8,
-        launch_pdl=use_pdl(q),
+        launch_pdl=pdl,
     )
     return q, k
