@@ -250,28 +250,31 @@ def _decode_reduce_kernel(
     stride_ob,
     stride_oh,
     D: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # num_splits padded to a power of two
     PDL: tl.constexpr,
 ):
+    """Merge one (sequence, head)'s split partials: all S at once (one round of
+    loads, not S dependent ones), each weighted by exp2(lse - max lse)."""
     pdl_start(PDL)
     pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     bh = b.to(tl.int64) * tl.num_programs(1) + h
+    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, D)
-
-    m = tl.full([1], float("-inf"), dtype=tl.float32)
-    l = tl.zeros([1], dtype=tl.float32)
-    acc = tl.zeros([D], dtype=tl.float32)
-    for s in range(num_splits):
-        lse = tl.load(part_lse_ptr + bh * num_splits + s + tl.zeros([1], dtype=tl.int32))
-        o = tl.load(part_o_ptr + (bh * num_splits + s) * D + offs_d)
-        m_new = tl.maximum(m, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far
-        alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(lse - m_safe)
-        acc = acc * alpha + w * o
-        l = l * alpha + w
-        m = m_new
+    lse = tl.load(
+        part_lse_ptr + bh * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf")
+    )
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for empty splits
+    live = w > 0.0  # a split past the end wrote zeros: skip reading them
+    o = tl.load(
+        part_o_ptr + (bh * num_splits + offs_s)[:, None] * D + offs_d[None, :],
+        mask=live[:, None],
+        other=0.0,
+    )
+    acc = tl.sum(w[:, None] * o, 0)
+    l = tl.sum(w, 0)
     o = acc / tl.where(l == 0.0, 1.0, l)  # seq_len 0: every split empty -> zeros
     tl.store(
         out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
@@ -362,6 +365,7 @@ def decode_attention(
         launch_pdl=pdl,
     )
     if split:
+        block_s = triton.next_power_of_2(num_splits)
         _decode_reduce_kernel[(batch, num_heads)](
             part_o,
             part_lse,
@@ -370,8 +374,9 @@ def decode_attention(
             out.stride(0),
             out.stride(1),
             D=head_dim,
+            BLOCK_S=block_s,
             PDL=pdl,
-            num_warps=1,
+            num_warps=1 if block_s * head_dim <= 2048 else 4,
             launch_pdl=pdl,
         )
     return out
