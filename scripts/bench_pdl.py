@@ -8,9 +8,10 @@ depends on the previous kernel) and then wait (`gdc_wait`) for its output.
 For the layer shapes of Llama-3.2-1B (16 layers) and Llama-3.1-8B (32): the
 chain qkv -> o_proj -> gate/up -> down(+SwiGLU) of every layer, each GEMV's
 x the previous one's output, captured in one CUDA graph and replayed. Time
-per layer with PDL off and on, and the same chain with an RMSNorm kernel
-(launched normally) before qkv and gate/up, as in the model. The outputs of
-both must be equal bit for bit.
+per layer with PDL off and on; the same chain with the model's two RMSNorm
+kernels (the residual add fused into them, launched with PDL too, as inside
+the model's kernel chain) before qkv and gate/up. Outputs must be equal bit
+for bit with PDL off and on.
 
     PYTHONPATH=src python3 scripts/bench_pdl.py
 """
@@ -22,8 +23,9 @@ import json
 import torch
 from graph_timing import replay_us
 
+from pagedllm import ops
 from pagedllm.ops import triton_gemv
-from pagedllm.ops.triton_norm import rms_norm
+from pagedllm.ops.triton_norm import fused_add_rms_norm
 
 SHAPES = [  # name, E, H*D, qkv N, I, layers
     ("1B", 2048, 2048, 3072, 8192, 16),
@@ -38,14 +40,17 @@ def layer_weights(e, hd, n_qkv, inter, layers):
     return [(w(n_qkv, e), w(e, hd), w(2 * inter, e), w(e, inter)) for _ in range(layers)]
 
 
-def chain(x, weights, norm_w, pdl, norms):
-    for qkv_w, o_w, gu_w, down_w in weights:
-        h = rms_norm(x, norm_w, 1e-5) if norms else x
-        qkv = triton_gemv.gemv(h, qkv_w, pdl=pdl)
-        o = triton_gemv.gemv(qkv[:, : o_w.shape[1]], o_w, pdl=pdl)
-        h = rms_norm(o, norm_w, 1e-5) if norms else o
-        gu = triton_gemv.gemv(h, gu_w, pdl=pdl)
-        x = triton_gemv.gemv(gu, down_w, act=True, pdl=pdl)
+def chain(x, weights, norm_w, pdl, mode):
+    """mode: "gemv" (GEMVs only) or "norms" (+ the two add-and-norm kernels)."""
+    x, residual = x.clone(), torch.zeros_like(x)  # the norms write in place
+    with ops.kernel_chain(pdl):  # the norm kernels launch with PDL only inside a chain
+        for qkv_w, o_w, gu_w, down_w in weights:
+            h = fused_add_rms_norm(x, residual, norm_w, 1e-5)[0] if mode == "norms" else x
+            qkv = triton_gemv.gemv(h, qkv_w, pdl=pdl)
+            o = triton_gemv.gemv(qkv[:, : o_w.shape[1]], o_w, pdl=pdl)
+            h = fused_add_rms_norm(o, residual, norm_w, 1e-5)[0] if mode == "norms" else o
+            gu = triton_gemv.gemv(h, gu_w, pdl=pdl)
+            x = triton_gemv.gemv(gu, down_w, act=True, pdl=pdl)
     return x
 
 
@@ -55,11 +60,11 @@ def main() -> None:
         weights = layer_weights(e, hd, n_qkv, inter, layers)
         norm_w = torch.ones(e, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(1, e, device="cuda", dtype=torch.bfloat16)
-        for norms in (False, True):
-            row = {"shape": name, "norms": norms}
+        for mode in ("gemv", "norms"):
+            row = {"shape": name, "mode": mode}
             outs = {}
             for pdl in (False, True, False, True):
-                args = (x, weights, norm_w, pdl, norms)
+                args = (x, weights, norm_w, pdl, mode)
                 us, out = replay_us(lambda args=args: chain(*args))
                 out = out.clone()
                 row.setdefault(f"pdl_{pdl}", []).append(round(us / layers, 2))
@@ -70,7 +75,7 @@ def main() -> None:
             row["tbps_on"] = round(wbytes / (best_on * layers) / 1e6, 2)
             row["tbps_off"] = round(wbytes / (min(row["pdl_False"]) * layers) / 1e6, 2)
             print(
-                f"{name} {'with' if norms else 'no'} norms: us/layer PDL off {row['pdl_False']} "
+                f"{name} {mode}: us/layer PDL off {row['pdl_False']} "
                 f"({row['tbps_off']} TB/s), on {row['pdl_True']} ({row['tbps_on']} TB/s), "
                 f"equal outputs: {row['equal']}"
             )
