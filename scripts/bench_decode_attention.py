@@ -12,7 +12,10 @@ bytes of every context once (what a call must read); the ceiling is the
 
     PYTHONPATH=src python3 scripts/bench_decode_attention.py [--quick] [--json PATH]
 
-Prints a table per case and one JSON line last.
+Prints a table per case and one JSON line last. With --fused, instead: a
+decode step's RoPE + K/V store + attention as two kernels (rope_and_store,
+decode_attention) against one (rope_store_decode_attention), bf16 and float8
+pages, with PDL off and on (inside `ops.kernel_chain()`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ import json
 import torch
 from graph_timing import replay_us
 
+from pagedllm import ops
+from pagedllm.ops import reference as ref
 from pagedllm.ops import triton_attention as ta
+from pagedllm.ops import triton_rope
 
 COPY = 4.28e12
 BS = 16
@@ -97,11 +103,62 @@ def run_case(shape, batch, ctx, bound, grid) -> list[dict]:
     return rows
 
 
+def run_fused(shape, batch, ctx, bound) -> list[dict]:
+    """Two kernels against one for a decode step's RoPE, store and attention."""
+    name, h, hkv, d, layers = shape
+    qkv = torch.randn(batch, (h + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+    q = qkv[:, : h * d].view(batch, h, d)
+    k = qkv[:, h * d : (h + hkv) * d].view(batch, hkv, d)
+    v = qkv[:, (h + hkv) * d :].view(batch, hkv, d)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    positions = (seq_lens - 1).long()
+    caches, tables = make_layers(batch, ctx, hkv, d, layers)
+    slots = tables[:, (ctx - 1) // BS].long() * BS + (ctx - 1) % BS
+    cos_sin = ref.rope_cos_sin_cache(d, 500000.0, None, ctx + 1, device="cuda")
+    rows = []
+    for dtype in (torch.bfloat16, FP8):
+        cs = [(kc.to(dtype), vc.to(dtype)) for kc, vc in caches]
+
+        def two(i, cs=cs):
+            q2, _ = triton_rope.rope_and_store(q, k, v, positions, cos_sin, *cs[i], slots)
+            return ta.decode_attention(q2, *cs[i], tables, seq_lens, d**-0.5, max_seq_len=bound)
+
+        def one(i, cs=cs):
+            return ta.rope_store_decode_attention(
+                q, k, v, positions, cos_sin, *cs[i], slots, tables, seq_lens, d**-0.5, bound
+            )
+
+        row = dict(shape=name, batch=batch, ctx=ctx, bound=bound, dtype=str(dtype)[6:])
+        for pdl in (False, True):
+            for label, fn in (("two", two), ("one", one)):
+
+                def chained(i, fn=fn, pdl=pdl):
+                    with ops.kernel_chain(pdl):
+                        return fn(i)
+
+                row[f"{label}_pdl{int(pdl)}_us"] = round(graph_us(chained, layers), 2)
+        print(
+            f"{name} B={batch:<4} ctx={ctx:<5} bound={bound:<5} {row['dtype']:<13} "
+            f"two kernels {row['two_pdl0_us']:7.2f} us (PDL {row['two_pdl1_us']:7.2f}) | "
+            f"one {row['one_pdl0_us']:7.2f} us (PDL {row['one_pdl1_us']:7.2f})"
+        )
+        rows.append(row)
+        del cs
+    del caches
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the default tiles only")
     ap.add_argument("--json", help="write the rows here too")
+    ap.add_argument("--fused", action="store_true", help="two kernels against one (see above)")
     args = ap.parse_args()
+    if args.fused:
+        rows = [r for shape in SHAPES for case in CASES for r in run_fused(shape, *case)]
+        print(json.dumps({"rope_store_decode_attention": rows}))
+        return
     grid = [] if args.quick else list(itertools.product((64, 128, 256), (4, 8), (2, 3)))
     rows, summary = [], []
     for shape in SHAPES:

@@ -238,6 +238,48 @@ def test_decode_attention_in_a_cuda_graph():
         assert not pad or out[pad].abs().max().item() == 0.0
 
 
+@pytest.mark.parametrize("cache_dtype", [BF16, FP8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("batch", [1, 256])
+def test_rope_store_decode_attention(batch, head_dim, cache_dtype):
+    """RoPE, the K/V store and decode attention in one kernel against
+    rope_and_store + decode_attention (Triton): the cache bit for bit and the
+    output, eagerly and in a CUDA graph inside a kernel chain (with PDL, the
+    first tile is read before the wait)."""
+    from pagedllm import ops
+
+    lens = torch.randint(1, 2049, (batch,)).tolist()
+    lens[0] = 2048
+    k_cache, v_cache, tables = paged_cache(lens, head_dim=head_dim)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    q, k, v = fused_qkv_views(batch, head_dim=head_dim)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    positions = (seq_lens - 1).long()
+    slots = tables.gather(1, (positions // BS)[:, None]).squeeze(1).long() * BS + positions % BS
+    cos_sin = ref.rope_cos_sin_cache(head_dim, 500000.0, None, 4096, device=DEV)
+    args = (q, k, v, positions, cos_sin, k_cache, v_cache, slots, tables, seq_lens, head_dim**-0.5)
+    want_kc, want_vc = k_cache.clone(), v_cache.clone()
+    q2, k2 = tri.rope_and_store(
+        q.clone(), k.clone(), v, positions, cos_sin, want_kc, want_vc, slots
+    )
+    want = tri.decode_attention(q2, want_kc, want_vc, tables, seq_lens, head_dim**-0.5)
+    out = tri.rope_store_decode_attention(*args)
+    assert rel_err(out, want) < 1e-2
+    assert torch.equal(v_cache.view(torch.uint8), want_vc.view(torch.uint8))
+    # k is rotated in float32 by the same expressions; the compiler may still
+    # contract them into FMAs differently, so a rounding may land one step over.
+    same = k_cache.view(torch.uint8) == want_kc.view(torch.uint8)
+    assert same.float().mean().item() > 0.999
+    ulp = 2.0**-7 if cache_dtype == BF16 else 2.0**-3
+    atol = 1e-6 if cache_dtype == BF16 else 2.0**-9  # float8 subnormals: steps of 2^-9
+    torch.testing.assert_close(k_cache.float(), want_kc.float(), rtol=ulp, atol=atol)
+    graph = torch.cuda.CUDAGraph()
+    with ops.kernel_chain(), torch.cuda.graph(graph):
+        out = tri.rope_store_decode_attention(*args, max_seq_len=4096)
+    graph.replay()
+    assert rel_err(out, want) < 1e-2
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(("q_lens", "ctx_lens"), [([1024], [0]), ([512] * 8, [0] * 8)])
 def test_prefill_attention(q_lens, ctx_lens, head_dim):

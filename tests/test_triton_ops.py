@@ -388,6 +388,54 @@ def test_decode_attention_fp8_cache(gen, q_dtype, num_splits):
     assert rel_err(out, want) < (1e-5 if q_dtype == torch.float32 else 2e-3)
 
 
+@pytest.mark.parametrize(
+    ("q_dtype", "cache_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.float32, FP8),
+        (torch.float16, torch.float16),
+        (torch.float16, FP8),
+    ],
+)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(8, 2, 64), (4, 4, 128)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_rope_store_decode_attention(
+    gen, q_dtype, cache_dtype, num_heads, num_kv_heads, head_dim, num_splits
+):
+    """A decode step's RoPE, K/V store and attention in one kernel equal
+    rope_and_store then decode_attention: the output, and the cache bit for bit.
+    A padding row (seq_len 0, slot -1) stores nothing and gets zeros; q, k and v
+    are strided views of one QKV output and are left as they came."""
+    lens = [1, 15, 16, 17, 70, 0]
+    k_cache, v_cache, tables = paged_cache(lens, num_kv_heads, head_dim, gen=gen)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    q, k, v = fused_qkv_views(len(lens), num_heads, num_kv_heads, head_dim, q_dtype, gen)
+    k[0] *= 1000  # past float8's range: stored clamped
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    positions = (seq_lens - 1).clamp(min=0)
+    slots = torch.tensor(
+        [int(tables[b, (n - 1) // BS]) * BS + (n - 1) % BS if n else -1 for b, n in enumerate(lens)]
+    )
+    cos_sin = ref.rope_cos_sin_cache(head_dim, 10000.0, None, 100)
+    want_kc, want_vc = k_cache.clone(), v_cache.clone()
+    real = slice(0, len(lens) - 1)  # the reference would store a slot of -1 (the last row)
+    want = ref.rope_store_decode_attention(
+        *(t[real].clone() for t in (q, k, v, positions)), cos_sin, want_kc, want_vc,
+        slots[real], tables[real], seq_lens[real], 0.125,
+    )  # fmt: skip
+    before = [t.clone() for t in (q, k, v)]
+    out = tri.rope_store_decode_attention(
+        q, k, v, positions, cos_sin, k_cache, v_cache, slots, tables, seq_lens, 0.125,
+        num_splits=num_splits,
+    )  # fmt: skip
+    assert out.dtype == q_dtype and out.shape == q.shape
+    assert rel_err(out[real], want) < (1e-5 if q_dtype == torch.float32 else 2e-3)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+    assert torch.equal(as_bits(k_cache), as_bits(want_kc))
+    assert torch.equal(as_bits(v_cache), as_bits(want_vc))
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), before))
+
+
 def test_num_decode_splits_rule():
     split = triton_attention.num_decode_splits
     assert split(256, 8, 131072) == 1  # enough programs already

@@ -37,6 +37,7 @@ OP_NAMES = (
     "rope_and_store",
     "prefill_attention",
     "decode_attention",
+    "rope_store_decode_attention",
     "argmax",
 )
 

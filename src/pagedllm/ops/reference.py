@@ -316,3 +316,26 @@ def decode_attention(
         m = m_new
     out = acc / denom.clamp_min(1e-30)[..., None]  # seq_len 0 rows come out as zeros
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+def rope_store_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """A decode step's attention from its q (B, H, D), k, v (B, Hkv, D) before RoPE:
+    `rope_and_store` (the new K/V go to their slots), then `decode_attention`.
+    Returns (B, H, D). The Triton kernel does all of it in one launch and leaves q
+    and k unrotated; here they may be rotated in place or not (callers must not
+    read them after)."""
+    q, _ = rope_and_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)

@@ -1,9 +1,12 @@
 """Triton attention kernels: paged decode (flash-decoding) and packed causal prefill.
 
 Owns: the two attention kernels and the host-side choices around them (block
-sizes, warps, how many KV splits). Does not own: the numerics, which are
-`reference.decode_attention` and `reference.prefill_attention`; the tests
-compare the two.
+sizes, warps, how many KV splits); the decode kernel also serves
+`rope_store_decode_attention` (batch-1 decode: RoPE and the KV store of the
+new token done inside it, one launch instead of two). Does not own: the
+numerics, which are `reference.decode_attention`,
+`reference.rope_store_decode_attention` and `reference.prefill_attention`;
+the tests compare them.
 
 Layouts: q (T or B, H, D) and the new k, v (T, Hkv, D) may be strided views of a
 fused QKV output (row stride != H*D), but their last dim must be contiguous.
@@ -30,6 +33,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.ops import triton_interpret_fix  # noqa: F401  (CPU interpreter + NumPy 2.4)
+from pagedllm.ops.triton_kv import cache_max, to_cache
 from pagedllm.ops.triton_pdl import pdl_start, pdl_wait, use_pdl
 
 LOG2E = 1.4426950408889634
@@ -147,8 +151,27 @@ def _fold_tile(q, k, v, n_mask, m_i, l_i, acc, s_scale, PREC: tl.constexpr):
 
 
 @triton.jit
+def _rotated(ptr, rows, row_ok, cs_row, D: tl.constexpr):
+    """Rows (R, D) at ptr + rows[:, None], rotated by the [cos | sin] row at cs_row
+    ("rotate half": dim d pairs with d +- D/2, as `reference.apply_rope`) in
+    float32, with the rope kernel's expressions, and rounded to their dtype."""
+    HALF: tl.constexpr = D // 2
+    offs_d = tl.arange(0, D)
+    first = offs_d < HALF
+    partner = tl.where(first, offs_d + HALF, offs_d - HALF)
+    cos = tl.load(cs_row + offs_d % HALF)[None, :]
+    sin = tl.load(cs_row + HALF + offs_d % HALF)[None, :]
+    x = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    xp = tl.load(ptr + rows[:, None] + partner[None, :], mask=row_ok[:, None], other=0.0)
+    xf = x.to(tl.float32)
+    xpf = xp.to(tl.float32)
+    out = tl.where(first[None, :], xf * cos - xpf * sin, xf * cos + xpf * sin)
+    return out.to(x.dtype)
+
+
+@triton.jit
 def _decode_kernel(
-    q_ptr,  # (B, H, D)
+    q_ptr,  # (B, H, D); with NEW_TOKEN, before RoPE
     k_cache_ptr,  # (NB, BS, Hkv, D)
     v_cache_ptr,
     block_tables_ptr,  # (B, max_blocks) int32
@@ -156,6 +179,11 @@ def _decode_kernel(
     out_ptr,  # (B, H, D) when not SPLIT
     part_o_ptr,  # (B, H, S, D) float32 when SPLIT
     part_lse_ptr,  # (B, H, S) float32 when SPLIT, log2 domain
+    new_k_ptr,  # NEW_TOKEN: (B, Hkv, D) this step's k, before RoPE
+    new_v_ptr,  # NEW_TOKEN: (B, Hkv, D) this step's v
+    positions_ptr,  # NEW_TOKEN: (B,)
+    cos_sin_ptr,  # NEW_TOKEN: (P, D) float32 [cos | sin]
+    slot_mapping_ptr,  # NEW_TOKEN: (B,); a slot < 0 stores nothing (graph padding)
     qk_scale,  # scale * log2(e)
     num_splits,
     stride_qb,
@@ -169,6 +197,11 @@ def _decode_kernel(
     stride_bt_b,
     stride_ob,
     stride_oh,
+    stride_nk_b,
+    stride_nk_h,
+    stride_nv_b,
+    stride_nv_h,
+    stride_cs,
     G: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # G padded to >= 16
     D: tl.constexpr,
@@ -177,31 +210,17 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     PREC: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # float8 caches, 16-bit q: see below
+    NEW_TOKEN: tl.constexpr,  # RoPE, the KV store and the newest token done here
+    CACHE_MAX: tl.constexpr,  # float8 caches: the clamp of to_cache
     PDL: tl.constexpr,  # a programmatic dependent launch (ops/triton_pdl.py)
 ):
     pdl_start(PDL)
-    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # Host-written inputs (lengths, block tables) and pages of earlier steps: no
+    # kernel of this step writes them, so they may be read before pdl_wait.
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, D)
-    g_mask = offs_g < G
-    heads = kvh * G + offs_g  # (BLOCK_G,) query heads of this KV head
-
-    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # (BLOCK_G, D)
-    if FP16_DOTS:
-        # float8 pages under a 16-bit q: the dots run in float16, to which e4m3
-        # widens in one hardware instruction (to bf16 it takes several, and the
-        # kernel would be bound by them). q is scaled first (so no separate scale
-        # after the dot) and clamped to float16's range.
-        q = tl.clamp(q.to(tl.float32) * qk_scale, -65504.0, 65504.0).to(tl.float16)
-        s_scale = 1.0
-    else:
-        s_scale = qk_scale
 
     # This program's token range [start, end): each sequence's own length is cut
     # into num_splits equal (BLOCK_N-aligned) parts, so the split is graph-safe and
@@ -213,18 +232,82 @@ def _decode_kernel(
     else:
         start = 0
         end = seq_len
+    # With NEW_TOKEN the last token (this step's) is not in the cache yet: the pages
+    # are read up to it, and the program whose range holds it stores and adds it.
+    paged_end = tl.minimum(end, seq_len - 1) if NEW_TOKEN else end
 
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt_b
     k_head = k_cache_ptr + kvh * stride_kc_h
     v_head = v_cache_ptr + kvh * stride_vc_h
     strides = (stride_kc_nb, stride_kc_bs, stride_vc_nb, stride_vc_bs)
+    # With NEW_TOKEN, no kernel of this step has written the pages read here, so the
+    # first tile is loaded before pdl_wait: with PDL it arrives while the kernel
+    # before this one finishes. (Without, that kernel stored the newest K/V.)
+    if NEW_TOKEN:
+        k, v, n_mask = _load_kv_tile(
+            bt_row, k_head, v_head, start, paged_end, strides, BS, BLOCK_N, D
+        )
+    pdl_wait(PDL)
 
-    for n0 in range(start, end, BLOCK_N):
-        k, v, n_mask = _load_kv_tile(bt_row, k_head, v_head, n0, end, strides, BS, BLOCK_N, D)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    g_mask = offs_g < G
+    heads = kvh * G + offs_g  # (BLOCK_G,) query heads of this KV head
+    q_rows = b.to(tl.int64) * stride_qb + heads * stride_qh
+    if NEW_TOKEN:
+        cs_row = cos_sin_ptr + tl.load(positions_ptr + b).to(tl.int64) * stride_cs
+        q = _rotated(q_ptr, q_rows, g_mask, cs_row, D)  # (BLOCK_G, D)
+    else:
+        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+    if FP16_DOTS:
+        # float8 pages under a 16-bit q: the dots run in float16, to which e4m3
+        # widens in one hardware instruction (to bf16 it takes several, and the
+        # kernel would be bound by them). q is scaled first (so no separate scale
+        # after the dot) and clamped to float16's range.
+        q = tl.clamp(q.to(tl.float32) * qk_scale, -65504.0, 65504.0).to(tl.float16)
+        s_scale = 1.0
+    else:
+        s_scale = qk_scale
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+    first = start
+    if NEW_TOKEN:  # the tile loaded before the wait
+        if start < paged_end:
+            m_i, l_i, acc = _fold_tile(q, k, v, n_mask, m_i, l_i, acc, s_scale, PREC)
+        first = start + BLOCK_N
+    for n0 in range(first, paged_end, BLOCK_N):
+        k, v, n_mask = _load_kv_tile(bt_row, k_head, v_head, n0, paged_end, strides, BS, BLOCK_N, D)
         m_i, l_i, acc = _fold_tile(q, k, v, n_mask, m_i, l_i, acc, s_scale, PREC)
+
+    if NEW_TOKEN:
+        newest = seq_len - 1
+        if (newest >= start) & (newest < end):
+            # RoPE on this step's k, k and v stored to their slot as the cache holds
+            # them, and the token folded in from those stored values (as a page read
+            # would give them back).
+            one = tl.zeros([1], dtype=tl.int64)
+            k_rows = one + b.to(tl.int64) * stride_nk_b + kvh * stride_nk_h
+            k_new = tl.reshape(_rotated(new_k_ptr, k_rows, one == 0, cs_row, D), [D])
+            v_new = tl.load(new_v_ptr + b.to(tl.int64) * stride_nv_b + kvh * stride_nv_h + offs_d)
+            k_new = to_cache(k_new, k_cache_ptr, CACHE_MAX)
+            v_new = to_cache(v_new, v_cache_ptr, CACHE_MAX)
+            slot = tl.load(slot_mapping_ptr + b).to(tl.int64)
+            if slot >= 0:
+                page = slot // BS
+                row = slot % BS
+                tl.store(k_head + page * stride_kc_nb + row * stride_kc_bs + offs_d, k_new)
+                tl.store(v_head + page * stride_vc_nb + row * stride_vc_bs + offs_d, v_new)
+            kf = k_new.to(q.dtype).to(tl.float32)
+            s_new = tl.sum(q.to(tl.float32) * kf[None, :], 1) * s_scale  # (BLOCK_G,)
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s_new - m_new)
+            l_i = l_i * alpha + p
+            pv = p.to(q.dtype).to(tl.float32)[:, None] * v_new.to(q.dtype).to(tl.float32)[None, :]
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
 
     # An empty range (seq_len 0, or a split past the end) leaves l_i == 0: write
     # zeros and an lse of -inf so it weighs nothing in the reduction.
@@ -310,6 +393,64 @@ def decode_attention(
     float16 for a 16-bit q (q scaled and rounded to float16's 11 bits: finer
     than bf16's 8) and in q's dtype for float32.
     """
+    tiles = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, None, **tiles)
+
+
+def rope_store_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """See `reference.rope_store_decode_attention`: a decode step's attention from
+    its q, k, v before RoPE, in one kernel (no rope_and_store launch before it).
+
+    Each program rotates its G query heads itself; the program whose token range
+    holds a sequence's newest token (position seq_len - 1) rotates that token's k,
+    stores k and v to their slot, and folds the token in from those stored values.
+    The pages it reads hold only earlier steps' tokens, so with PDL the first tile
+    is loaded before waiting for the kernel before (the q/k/v projection). q, k
+    and the caches are not rotated in place as `rope_and_store` leaves them: q and
+    k are left as they came.
+    """
+    for t in (q, k, v):
+        if t.stride(-1) != 1:
+            raise ValueError("rope_store_decode_attention needs a contiguous last dim")
+    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(-1) == 1
+    new = (k, v, positions, cos_sin_cache, slot_mapping)
+    return _decode(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, new, num_splits=num_splits
+    )
+
+
+def _decode(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    scale,
+    max_seq_len,
+    new,
+    *,
+    num_splits=None,
+    block_n=None,
+    num_warps=DECODE_NUM_WARPS,
+    num_stages=DECODE_NUM_STAGES,
+):
+    """Both decode entry points: `new` = (k, v, positions, cos_sin_cache,
+    slot_mapping) of this step's tokens, or None when they are in the cache already."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -329,6 +470,9 @@ def decode_attention(
         part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
+    new_k, new_v, positions, cos_sin, slots = (
+        new if new is not None else (q, q, seq_lens, q, seq_lens)
+    )
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -338,6 +482,11 @@ def decode_attention(
         out,
         part_o,
         part_lse,
+        new_k,
+        new_v,
+        positions,
+        cos_sin,
+        slots,
         scale * LOG2E,
         num_splits,
         q.stride(0),
@@ -351,6 +500,11 @@ def decode_attention(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
+        new_k.stride(0),
+        new_k.stride(1),
+        new_v.stride(0),
+        new_v.stride(1),
+        cos_sin.stride(0),
         G=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         D=head_dim,
@@ -359,6 +513,8 @@ def decode_attention(
         SPLIT=split,
         PREC=_dot_precision(q.dtype),
         FP16_DOTS=k_cache.dtype.itemsize == 1 and q.dtype.itemsize == 2,
+        NEW_TOKEN=new is not None,
+        CACHE_MAX=cache_max(k_cache),
         PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,

@@ -16,7 +16,11 @@ import triton  # noqa: F401  (an ImportError here means "no Triton" to the dispa
 
 from pagedllm.ops.triton_act import silu_and_mul
 from pagedllm.ops.triton_argmax import argmax
-from pagedllm.ops.triton_attention import decode_attention, prefill_attention
+from pagedllm.ops.triton_attention import (
+    decode_attention,
+    prefill_attention,
+    rope_store_decode_attention,
+)
 from pagedllm.ops.triton_gemv import linear, silu_and_mul_linear
 from pagedllm.ops.triton_kv import embedding, store_kvcache
 from pagedllm.ops.triton_norm import fused_add_rms_norm, rms_norm
@@ -34,5 +38,6 @@ __all__ = [
     "rope_and_store",
     "prefill_attention",
     "decode_attention",
+    "rope_store_decode_attention",
     "argmax",
 ]
