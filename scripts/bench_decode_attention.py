@@ -159,7 +159,7 @@ def main() -> None:
         rows = [r for shape in SHAPES for case in CASES for r in run_fused(shape, *case)]
         print(json.dumps({"rope_store_decode_attention": rows}))
         return
-    grid = [] if args.quick else list(itertools.product((64, 128, 256), (4, 8), (2, 3)))
+    grid = [] if args.quick else list(itertools.product((32, 64, 128), (1, 2, 4), (3, 5)))
     rows, summary = [], []
     for shape in SHAPES:
         for batch, ctx, bound in CASES:

@@ -40,22 +40,34 @@ LOG2E = 1.4426950408889634
 
 # Decode: the G query heads that share a KV head are padded up to 16 rows, the
 # smallest M of a tensor-core dot; keys arrive BLOCK_N tokens (several pages) a
-# time, BLOCK_N chosen so one K tile is 16 KB (128 tokens at D=64 in bf16).
-# Measured on the H200 (B=64/256, ctx 512/2048, D=64, bf16): 16 KB tiles, 4
-# warps, 3 stages reach 3.8-4.2 TB/s; 8 KB tiles ran 5-10 % slower, 8 warps
-# 10-20 % slower. Split-KV kicks in only when B * Hkv programs leave SMs idle.
+# time. 16-bit pages: BLOCK_N chosen so one K tile is 16 KB (128 tokens at D=64),
+# 4 warps, 3 stages. Measured on the H200 (B=64/256, ctx 512/2048, D=64): 3.8-4.2
+# TB/s; 8 KB tiles ran 5-10 % slower, 8 warps 10-20 % slower. Split-KV kicks in
+# only when B * Hkv programs leave SMs idle.
 DECODE_TILE_BYTES = 16384
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
+# float8 pages: 64-token tiles, 2 warps, 5 stages. Triton's pipeliner gives this
+# loop (a block-table load, then the K/V loads that depend on it) one shared
+# buffer per tile up to num_stages=4: the next tile's copy is issued only after
+# the current tile's math, so every tile pays the full memory latency. At 5 stages
+# it keeps two buffers and the copy of tile n+1 overlaps the math of tile n. The
+# 16-bit tiles carry twice the bytes per wait and hide it anyway; float8 tiles did
+# not (1.7-2.4 TB/s of useful reads at 128 tokens, 4 warps, 3 stages). With the
+# fewer warps, each program's cross-warp max/sum and the P relayout cost less too.
+# Measured (scripts/bench_decode_attention.py, batch 256 x 790 and 64 x 2,048):
+# 2.3-3.2 TB/s at D=64 and 128.
+FP8_DECODE_TILE = (64, 2, 5)  # BLOCK_N, num_warps, num_stages
 MIN_TOKENS_PER_SPLIT = 128  # below this a split costs more than it hides
 MAX_SPLITS = 64
 
 
-def _decode_block_n(head_dim: int, dtype: torch.dtype) -> int:
-    """Tokens per K tile: DECODE_TILE_BYTES of the cache's dtype, at most 128
-    (float8 pages: 128 tokens measured fastest at D = 64 and 128 on the H200,
-    scripts/bench_decode_attention.py)."""
-    return max(16, min(128, DECODE_TILE_BYTES // (head_dim * dtype.itemsize)))
+def _decode_tile(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for decode over pages of `dtype`."""
+    if dtype.itemsize == 1:
+        return FP8_DECODE_TILE
+    block_n = max(16, min(128, DECODE_TILE_BYTES // (head_dim * dtype.itemsize)))
+    return block_n, DECODE_NUM_WARPS, DECODE_NUM_STAGES
 
 
 def _prefill_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
@@ -376,8 +388,8 @@ def decode_attention(
     *,
     num_splits: int | None = None,
     block_n: int | None = None,
-    num_warps: int = DECODE_NUM_WARPS,
-    num_stages: int = DECODE_NUM_STAGES,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Paged decode attention; see `reference.decode_attention`. Returns (B, H, D).
 
@@ -446,8 +458,8 @@ def _decode(
     *,
     num_splits=None,
     block_n=None,
-    num_warps=DECODE_NUM_WARPS,
-    num_stages=DECODE_NUM_STAGES,
+    num_warps=None,
+    num_stages=None,
 ):
     """Both decode entry points: `new` = (k, v, positions, cos_sin_cache,
     slot_mapping) of this step's tokens, or None when they are in the cache already."""
@@ -463,6 +475,10 @@ def _decode(
         num_splits = num_decode_splits(batch, num_kv_heads, bound, _num_sms(q.device))
     split = num_splits > 1
     pdl = use_pdl(q)
+    tile = _decode_tile(head_dim, k_cache.dtype)
+    block_n, num_warps, num_stages = (
+        given or default for given, default in zip((block_n, num_warps, num_stages), tile)
+    )
     if split:
         part_o = torch.empty(
             (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
@@ -509,7 +525,7 @@ def _decode(
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         D=head_dim,
         BS=block_size,
-        BLOCK_N=block_n or _decode_block_n(head_dim, k_cache.dtype),
+        BLOCK_N=block_n,
         SPLIT=split,
         PREC=_dot_precision(q.dtype),
         FP16_DOTS=k_cache.dtype.itemsize == 1 and q.dtype.itemsize == 2,
