@@ -120,21 +120,29 @@ def main() -> None:
     ap.add_argument("--prefill-prompts", type=int, default=8)
     ap.add_argument("--prefill-len", type=int, default=1024)
     ap.add_argument("--kv-cache-mib", type=float, default=40960)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    ap.add_argument("--skip-decode", action="store_true", help="profile the prefill step only")
     ap.add_argument("--json")
     args = ap.parse_args()
     spec = ModelSpec(None, args.preset, "dummy")
     model = load_model(spec, "cuda", "bfloat16")
     cfg = model.config
     per_token, lm_params, weight_bytes = param_counts(model)
-    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.kv_size * model.dtype.itemsize
+    kv_itemsize = 1 if args.kv_cache_dtype == "fp8" else model.dtype.itemsize
+    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.kv_size * kv_itemsize
     rng = random.Random(0)
-    record: dict = {"preset": args.preset, "device": torch.cuda.get_device_name()}
+    record: dict = {
+        "preset": args.preset,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "device": torch.cuda.get_device_name(),
+    }
 
     def engine_for(graphs: bool) -> LLMEngine:
         config = EngineConfig(
             device="cuda",
             dtype="bfloat16",
             kv_cache_mib=args.kv_cache_mib,
+            kv_cache_dtype=args.kv_cache_dtype,
             max_num_seqs=args.batch,
             max_model_len=4096,
             admission="optimistic",  # pages for what is written, not for max_tokens
@@ -170,40 +178,43 @@ def main() -> None:
     torch.cuda.empty_cache()
 
     # ---------------------------------------------------------------- decode
-    long = SamplingParams(max_tokens=4096 - args.context - 1, temperature=0, ignore_eos=True)
-    decode = {"batch": args.batch, "context": args.context}
-    for graphs in (False, True):
-        engine = engine_for(graphs)
-        for _ in range(args.batch):
-            engine.add_request(rand_prompt(rng, args.context), long)
-        while engine.scheduler.waiting or any(
-            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
-        ):
-            engine.step()
-        for _ in range(3):
-            engine.step()  # warm-up at batch B
-        key = "graphs" if graphs else "eager"
-        decode[f"wall_ms_{key}"] = timed_steps(engine, 10)
-        if not graphs:
-            prof = profiled_steps(engine, 5)
-            decode["kernels_us"] = kernel_table(prof, 5)
-            decode["top"] = top_kernels(prof, 5)
-        for req in list(engine.scheduler.running):
-            engine.abort(req, report=False)
-        del engine
-        torch.cuda.empty_cache()
-    b = args.batch
-    ctx = args.context + 20  # the steps above add a few tokens
-    flops = 2 * (per_token + lm_params) * b + 4 * cfg.num_hidden_layers * cfg.q_size * b * ctx
-    bytes_ = weight_bytes + b * ctx * kv_bytes_per_token
-    decode["floor_ms"] = max(flops / MATMUL_FLOPS, bytes_ / COPY_BYTES_PER_S) * 1e3
-    decode["floor_compute_ms"] = flops / MATMUL_FLOPS * 1e3
-    decode["floor_bytes_ms"] = bytes_ / COPY_BYTES_PER_S * 1e3
-    record["decode"] = decode
+    parts = [("prefill", prefill)]
+    if not args.skip_decode:
+        long = SamplingParams(max_tokens=4096 - args.context - 1, temperature=0, ignore_eos=True)
+        decode = {"batch": args.batch, "context": args.context}
+        for graphs in (False, True):
+            engine = engine_for(graphs)
+            for _ in range(args.batch):
+                engine.add_request(rand_prompt(rng, args.context), long)
+            while engine.scheduler.waiting or any(
+                r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+            ):
+                engine.step()
+            for _ in range(3):
+                engine.step()  # warm-up at batch B
+            key = "graphs" if graphs else "eager"
+            decode[f"wall_ms_{key}"] = timed_steps(engine, 10)
+            if not graphs:
+                prof = profiled_steps(engine, 5)
+                decode["kernels_us"] = kernel_table(prof, 5)
+                decode["top"] = top_kernels(prof, 5)
+            for req in list(engine.scheduler.running):
+                engine.abort(req, report=False)
+            del engine
+            torch.cuda.empty_cache()
+        b = args.batch
+        ctx = args.context + 20  # the steps above add a few tokens
+        flops = 2 * (per_token + lm_params) * b + 4 * cfg.num_hidden_layers * cfg.q_size * b * ctx
+        bytes_ = weight_bytes + b * ctx * kv_bytes_per_token
+        decode["floor_ms"] = max(flops / MATMUL_FLOPS, bytes_ / COPY_BYTES_PER_S) * 1e3
+        decode["floor_compute_ms"] = flops / MATMUL_FLOPS * 1e3
+        decode["floor_bytes_ms"] = bytes_ / COPY_BYTES_PER_S * 1e3
+        record["decode"] = decode
+        parts.append(("decode", decode))
 
     # ---------------------------------------------------------------- report
     print(f"== {args.preset} on {record['device']}")
-    for name, part in (("prefill", prefill), ("decode", decode)):
+    for name, part in parts:
         total = sum(part["kernels_us"].values())
         wall = part.get("wall_ms") or part.get("wall_ms_graphs")
         print(

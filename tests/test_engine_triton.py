@@ -23,15 +23,20 @@ def tiny(tmp_path_factory):
     return load_model(path, device="cpu", dtype="float32")
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_engine_on_triton_kernels_matches_reference(tiny, monkeypatch, kv_cache_dtype):
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "budget"), [("auto", 8192), ("fp8", 8192), ("auto", 12), ("fp8", 12)]
+)
+def test_engine_on_triton_kernels_matches_reference(tiny, monkeypatch, kv_cache_dtype, budget):
     """float32 model; with "fp8" both sides keep float8 pages, stored and read by
-    each implementation's own ops."""
+    each implementation's own ops. A 12-token step budget chunks the prompts:
+    mixed steps, whose one-token rows take decode attention."""
     prompts = [[5, 9, 11], list(range(20, 53)), [7] * 16]
     params = [
         SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1) for n in (9, 5, 18)
     ]
-    settings = dict(kv_cache_mib=1, kv_cache_dtype=kv_cache_dtype)
+    settings = dict(
+        kv_cache_mib=1, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=budget, max_num_seqs=4
+    )
     monkeypatch.setenv("PAGEDLLM_OPS", "reference")
     ref = LLM(model=tiny, **settings).generate(prompts, params)
     monkeypatch.setenv("PAGEDLLM_OPS", "triton")

@@ -166,6 +166,33 @@ def test_greedy_variants_equal_argmax():
         assert torch.equal(sampler(logits, meta).sampled_token_ids, want)
 
 
+def test_bf16_logits_sample_as_their_float32_widening():
+    """The model hands over bf16 logits: a greedy step takes their argmax as they
+    are, any other step (penalties, sampling) and the log-probs widen them first;
+    either way the result equals the float32 path's on the widened values. Ties
+    (bf16 has 8 bits of mantissa) go to the first index in both."""
+    torch.manual_seed(0)
+    logits = (torch.randn(5, 300) * 3).to(torch.bfloat16)
+    logits[2, 7] = logits[2, 100] = logits[2].max() + 1  # a tie
+    wide = logits.float()
+    gens = [make_generator(11 + i, "cpu") for i in range(5)]
+    for params, generators in (
+        ([SamplingParams(temperature=0.0, logprobs=2)] * 5, None),
+        ([SamplingParams(temperature=0.0, presence_penalty=0.5)] * 5, None),
+        ([SamplingParams(temperature=0.8, top_p=0.9, seed=11)] * 5, gens),
+    ):
+        outs = []
+        for x in (logits, wide):
+            for i, g in enumerate(gens):
+                g.manual_seed(11 + i)  # both calls draw the same noise
+            outs.append(sampler(x, meta_for(params, 300, [[7]] * 5, generators=generators)))
+        got, want = outs
+        assert torch.equal(got.sampled_token_ids, want.sampled_token_ids)
+        if params[0].logprobs:
+            assert got.sampled_token_ids[2] == 7
+            assert torch.equal(got.logprobs.topk_logprobs, want.logprobs.topk_logprobs)
+
+
 def test_greedy_rows_inside_a_sampled_batch_stay_greedy():
     torch.manual_seed(0)
     B = 16

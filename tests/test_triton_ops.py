@@ -533,6 +533,37 @@ def test_prefill_attention_fp8_cached_prefix(gen, dtype):
     assert rel_err(out, want) < (1e-5 if dtype == torch.float32 else 2e-3)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8])
+def test_mixed_step_split_matches_prefill_over_every_sequence(gen, cache_dtype):
+    """A mixed step's attention as the model runs it (`model/llama.py`): decode
+    attention for the leading one-token sequences, prefill attention for the
+    rest through an offset slice of cu_seqlens_q (rows of the decode sequences
+    left unwritten), equals prefill attention over every sequence."""
+    q_lens, ctx_lens = [1, 1, 1, 17, 1, 40], [20, 33, 0, 16, 5, 0]
+    d = 3  # the leading one-token rows (a later one-token chunk stays in prefill)
+    q, k, v, cu, seq_lens, k_cache, v_cache, block_tables = _prefill_case(
+        gen, q_lens, ctx_lens, 8, 2, 64
+    )
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    # Decode attention reads a token's own K/V from its page, prefill attention
+    # from k and v: with float8 pages give both the same (already rounded) values.
+    k, v = (t.to(cache_dtype).to(t.dtype) for t in (k, v))
+    # This step's K/V into their slots, as rope_and_store leaves them.
+    pos = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx_lens, q_lens)])
+    rows = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    slots = block_tables[rows, pos // BS].long() * BS + pos % BS
+    ref.store_kvcache(k, v, k_cache, v_cache, slots)
+    want = ref.prefill_attention(q, k, v, cu, seq_lens, 0.125, k_cache, v_cache, block_tables)
+    for ops in (ref, tri):
+        out = ops.prefill_attention(
+            q, k, v, cu[d:], seq_lens[d:], 0.125, k_cache, v_cache, block_tables[d:], max_q_len=40
+        )
+        out[:d] = ops.decode_attention(
+            q[:d], k_cache, v_cache, block_tables[:d], seq_lens[:d], 0.125
+        )
+        assert rel_err(out, want) < 1e-5, ops.__name__
+
+
 def test_chunked_prefill_then_decode_matches_one_shot(gen):
     """Store + prefill in two chunks, then one decode step == attention over the whole prompt."""
     num_heads, num_kv_heads, head_dim, n = 4, 2, 64, 37

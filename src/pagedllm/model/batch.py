@@ -25,6 +25,10 @@ class ForwardBatch:
     # Host-side hints (ints known without a device sync), used to size kernel grids.
     max_q_len: int = 0
     max_seq_len: int = 0
+    # A mixed step (not is_decode): its first num_decode_seqs sequences have one
+    # new token each. The model runs decode attention for them and prefill
+    # attention for the rest (a prefill tile would pad each such row to 64 queries).
+    num_decode_seqs: int = 0
 
     @property
     def num_tokens(self) -> int:

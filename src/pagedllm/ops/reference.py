@@ -213,8 +213,11 @@ def prefill_attention(
     tokens *including* the new ones; the earlier seq_len - q_len tokens (a
     prefix already in the cache) are read from the pages through block_tables.
     New token i of a sequence sits at position seq_len - q_len + i and sees
-    every position up to its own. Returns (T, H, D). `max_q_len` is a host-side
-    hint for kernels that size their grid with it; the reference ignores it.
+    every position up to its own. Returns (T, H, D). The offsets need not start
+    at 0 nor cover q: rows outside every sequence are left unwritten (a mixed
+    step passes its prompt sequences only; `model/llama.py`). `max_q_len` is a
+    host-side hint for kernels that size their grid with it; the reference
+    ignores it.
     """
     out = torch.empty_like(q)
     num_heads, num_kv_heads = q.shape[1], k.shape[1]

@@ -570,7 +570,10 @@ def _online_softmax_step(s, v, m_i, l_i, acc, PREC: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit
+# A mixed step passes cu_seqlens and seq_lens sliced past its decode rows
+# (`model/llama.py`): pointers 4 bytes apart. Left unspecialized on alignment,
+# they share one compiled kernel (scalar loads: alignment buys nothing there).
+@triton.jit(do_not_specialize_on_alignment=["cu_seqlens_ptr", "seq_lens_ptr", "block_tables_ptr"])
 def _prefill_kernel(
     q_ptr,  # (T, H, D)
     k_ptr,  # (T, Hkv, D) new tokens

@@ -28,6 +28,9 @@ class HostBatch:
     longest_table: int  # pages in the longest block table of the batch
     max_q_len: int
     max_seq_len: int
+    # A mixed step: its first sequences that have one new token each (decode
+    # attention reads them; 0 for an all-decode step, see ForwardBatch).
+    num_decode_seqs: int = 0
 
     @property
     def num_seqs(self) -> int:

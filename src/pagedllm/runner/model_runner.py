@@ -316,6 +316,7 @@ class ModelRunner:
             cu_seqlens = self._arange32[: num_seqs + 1]
             seq_lens = (positions + 1).astype(np.int32)
             max_q_len = 1
+            num_decode_seqs = 0
         else:
             positions = np.concatenate([np.arange(c, c + n) for c, n in zip(starts, counts)])
             input_ids = np.array(
@@ -328,6 +329,8 @@ class ModelRunner:
             np.cumsum(counts_np, out=cu_seqlens[1:])
             seq_lens = np.add(starts, counts_np, dtype=np.int32)
             max_q_len = max(counts)
+            # The scheduler puts decode tokens first: count the leading one-token rows.
+            num_decode_seqs = next((i for i, n in enumerate(counts) if n != 1), num_seqs)
         bs = self.block_size
         # The slot of every new token: its page (from the block table) and offset.
         slot_mapping = host_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
@@ -352,6 +355,7 @@ class ModelRunner:
             longest_table=longest,
             max_q_len=max_q_len,
             max_seq_len=int(seq_lens.max()),
+            num_decode_seqs=num_decode_seqs,
         )
 
     def _index(self, rows) -> torch.Tensor:
@@ -378,6 +382,7 @@ class ModelRunner:
             is_decode=host.is_decode,
             max_q_len=host.max_q_len,
             max_seq_len=host.max_seq_len,
+            num_decode_seqs=host.num_decode_seqs,
         )
 
     # ------------------------------------------------------------------
@@ -424,7 +429,7 @@ class ModelRunner:
             self.fence.copies_queued()
             if fed is not None:
                 batch.input_ids = fed.to(torch.long).contiguous()
-            logits = self._forward(host, batch, fed is not None)  # (rows, V) float32
+            logits = self._forward(host, batch, fed is not None)  # (rows, V), the model's dtype
         self.host_time_s += time.perf_counter() - t0
         self.num_steps += 1
         prompt_lp = self._prompt_logprobs(logits, plan, full) if full else {}

@@ -370,8 +370,12 @@ class Sampler:
         self.ops_mode = ops_mode
 
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """`logits` in any float dtype (the model's): a step of greedy rows with
+        nothing to apply takes the argmax as they are (exact: widening to float32
+        keeps every value and their order); any other step works in float32."""
         raw_logits = logits
-        logits = logits.float()  # (B, V); never modified in place below
+        if not (meta.all_greedy and meta.min_tokens_index is None and meta.no_penalties):
+            logits = logits.float()  # (B, V); never modified in place below
         B, V = logits.shape
         # 1. min_tokens: EOS / stop ids are not allowed yet.
         if meta.min_tokens_index is not None:
