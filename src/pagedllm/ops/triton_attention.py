@@ -57,6 +57,11 @@ DECODE_NUM_STAGES = 3
 # fewer warps, each program's cross-warp max/sum and the P relayout cost less too.
 # Measured (scripts/bench_decode_attention.py, batch 256 x 790 and 64 x 2,048):
 # 2.3-3.2 TB/s at D=64 and 128.
+# Tried: 32-token tiles on one warp for grids of >= 6 programs per SM. Alone, in a
+# graph of attention calls, batch 128-256 ran 3-30 % faster (8B, 256 x 790: 138
+# -> 120 us); inside the engine's decode step the same batches ran 2-3 % slower
+# (scripts/profile_throughput.py, 8B float8: 11.97 -> 12.20 ms per step), so the
+# one tile stays.
 FP8_DECODE_TILE = (64, 2, 5)  # BLOCK_N, num_warps, num_stages
 MIN_TOKENS_PER_SPLIT = 128  # below this a split costs more than it hides
 MAX_SPLITS = 64
@@ -227,8 +232,12 @@ def _decode_kernel(
     PDL: tl.constexpr,  # a programmatic dependent launch (ops/triton_pdl.py)
 ):
     pdl_start(PDL)
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    # Grid (Hkv, B, S): the KV heads of one sequence are neighbouring programs, so
+    # they run side by side and read each page (all heads of 16 tokens) together.
+    # With b first, a page's rows of one head (64 bytes at D=64 in float8) were read
+    # in different waves: 1B, float8, batch 256 x 790 took 93.5 us, now 82.5.
+    kvh = tl.program_id(0)
+    b = tl.program_id(1)
     split = tl.program_id(2)
     # Host-written inputs (lengths, block tables) and pages of earlier steps: no
     # kernel of this step writes them, so they may be read before pdl_wait.
@@ -326,7 +335,7 @@ def _decode_kernel(
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     if SPLIT:
-        bh = b.to(tl.int64) * (G * tl.num_programs(1)) + heads  # flat (b, h) index
+        bh = b.to(tl.int64) * (G * tl.num_programs(0)) + heads  # flat (b, h) index
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(part_lse_ptr + bh * num_splits + split, lse, mask=g_mask)
         o_ptrs = part_o_ptr + ((bh * num_splits + split) * D)[:, None] + offs_d[None, :]
@@ -489,7 +498,7 @@ def _decode(
     new_k, new_v, positions, cos_sin, slots = (
         new if new is not None else (q, q, seq_lens, q, seq_lens)
     )
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
+    _decode_kernel[(num_kv_heads, batch, num_splits)](
         q,
         k_cache,
         v_cache,
