@@ -256,6 +256,22 @@ def test_token_id_tensors_and_arrays_are_prompts(tiny, expected):
     assert as_array[1].prompt_token_ids == PROMPTS[1]
 
 
+def test_tuples_and_numpy_int_ids_are_prompts(tiny, expected):
+    """The fast check (a list or tuple of plain ints) and the per-id one (any
+    other integer type) accept the same prompts, as lists of ints."""
+    llm = LLM(model=tiny, kv_cache_mib=2)
+    outs = llm.generate(
+        [tuple(PROMPTS[0]), [np.int64(t) for t in PROMPTS[1]]],
+        [greedy(MAX_NEW[0]), greedy(MAX_NEW[1])],
+        use_tqdm=False,
+    )
+    assert [o.token_ids for o in outs] == expected[:2]
+    assert [type(t) for o in outs for t in o.prompt_token_ids] == [int] * (
+        len(PROMPTS[0]) + len(PROMPTS[1])
+    )
+    assert_clean(llm)
+
+
 @pytest.mark.parametrize(
     ("params", "says"),
     [

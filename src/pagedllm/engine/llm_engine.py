@@ -645,7 +645,14 @@ def _check_prompt_ids(ids: Any, rid: int, vocab_size: int) -> list[int]:
                 f"got {type(ids).__name__}"
             )
         ids = tolist()
-    out: list[int] = []
+    if type(ids) in (list, tuple) and set(map(type, ids)) <= {int}:
+        # The usual case, checked at C speed (a per-id Python loop cost ~0.1 ms of
+        # a 1,024-token prompt's time to first token on the GPU machine).
+        out = list(ids)
+        if out and (min(out) < 0 or max(out) >= vocab_size):
+            _reject_out_of_vocab(out, rid, vocab_size)
+        return out
+    out = []
     for t in ids:
         if isinstance(t, bool):
             raise RequestRejected(f"request {rid}: prompt token ids must be integers, got {t!r}")
@@ -655,13 +662,17 @@ def _check_prompt_ids(ids: Any, rid: int, vocab_size: int) -> list[int]:
             raise RequestRejected(
                 f"request {rid}: prompt token ids must be integers, got {t!r} ({type(t).__name__})"
             ) from None
-    bad = [t for t in out if not 0 <= t < vocab_size]
-    if bad:
-        raise RequestRejected(
-            f"request {rid}: prompt token ids {bad[:5]} are outside the model's vocabulary "
-            f"[0, {vocab_size})"
-        )
+    if out and (min(out) < 0 or max(out) >= vocab_size):
+        _reject_out_of_vocab(out, rid, vocab_size)
     return out
+
+
+def _reject_out_of_vocab(ids: list[int], rid: int, vocab_size: int) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    raise RequestRejected(
+        f"request {rid}: prompt token ids {bad[:5]} are outside the model's vocabulary "
+        f"[0, {vocab_size})"
+    )
 
 
 def _check_params(params: Any, rid: int) -> SamplingParams:

@@ -35,8 +35,13 @@ def page_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
     """The name of a full page: 16 bytes of BLAKE2b over the parent page's name
     and this page's token ids (a collision would silently share wrong K/V, so a
     cryptographic hash, not Python's 64-bit `hash`)."""
+    return _hash_bytes(parent, array("q", token_ids).tobytes())
+
+
+def _hash_bytes(parent: bytes | None, page: bytes | memoryview) -> bytes:
+    """page_hash of a page given as its ids' int64 bytes."""
     h = hashlib.blake2b(parent or b"", digest_size=16)
-    h.update(array("q", token_ids).tobytes())
+    h.update(page)
     return h.digest()
 
 
@@ -127,11 +132,18 @@ class BlockManager:
         once and kept until the request's pages are freed (`free`) or, for a
         waiting request, until it is dropped (`forget`)."""
         hashes = self._hashes.setdefault(request.request_id, [])
-        if len(hashes) < num_pages:
+        first = len(hashes)
+        if first < num_pages:
+            # The new pages' ids as one buffer, each page a slice of it (one page
+            # at a time cost a list and an array per page: ~0.2 ms of a 1,024-token
+            # prompt's scheduling on the GPU machine).
             bs = self.block_size
-            for j in range(len(hashes), num_pages):
+            ids = array("q", request.token_ids_between(first * bs, num_pages * bs))
+            buf = memoryview(ids).cast("B")
+            step = bs * ids.itemsize
+            for j in range(num_pages - first):
                 parent = hashes[-1] if hashes else None
-                hashes.append(page_hash(parent, request.token_ids_between(j * bs, (j + 1) * bs)))
+                hashes.append(_hash_bytes(parent, buf[j * step : (j + 1) * step]))
         return hashes
 
     def cache_pages(self, request: Request, num_tokens: int) -> list[int]:

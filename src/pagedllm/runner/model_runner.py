@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import torch
@@ -318,12 +319,19 @@ class ModelRunner:
             max_q_len = 1
             num_decode_seqs = 0
         else:
-            positions = np.concatenate([np.arange(c, c + n) for c, n in zip(starts, counts)])
-            input_ids = np.array(
-                [t for r, c, n in zip(reqs, starts, counts) for t in r.token_ids_between(c, c + n)],
-                dtype=np.int64,
-            )
             counts_np = np.array(counts, dtype=np.int64)
+            total = int(counts_np.sum())
+            if num_seqs == 1:
+                positions = np.arange(starts[0], starts[0] + total)
+            else:
+                positions = np.concatenate([np.arange(c, c + n) for c, n in zip(starts, counts)])
+            input_ids = np.fromiter(
+                chain.from_iterable(
+                    r.token_ids_between(c, c + n) for r, c, n in zip(reqs, starts, counts)
+                ),
+                dtype=np.int64,
+                count=total,
+            )
             rows = np.repeat(self._rows[:num_seqs], counts_np)
             cu_seqlens = np.zeros(num_seqs + 1, dtype=np.int32)
             np.cumsum(counts_np, out=cu_seqlens[1:])
