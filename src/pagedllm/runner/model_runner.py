@@ -318,19 +318,27 @@ class ModelRunner:
             seq_lens = (positions + 1).astype(np.int32)
             max_q_len = 1
             num_decode_seqs = 0
+        elif num_seqs == 1:
+            # One prompt alone (a long prompt's time to first token): the same
+            # arrays in as few NumPy calls as it takes. Right after a wait for the
+            # device each call runs on cold caches, at several times its usual cost.
+            c, n = starts[0], counts[0]
+            positions = np.arange(c, c + n)
+            input_ids = np.array(reqs[0].token_ids_between(c, c + n), dtype=np.int64)
+            rows = None
+            cu_seqlens = np.array((0, n), dtype=np.int32)
+            seq_lens = np.array((c + n,), dtype=np.int32)
+            max_q_len = n
+            num_decode_seqs = 0  # n > 1: one new token would make this a decode step
         else:
             counts_np = np.array(counts, dtype=np.int64)
-            total = int(counts_np.sum())
-            if num_seqs == 1:
-                positions = np.arange(starts[0], starts[0] + total)
-            else:
-                positions = np.concatenate([np.arange(c, c + n) for c, n in zip(starts, counts)])
+            positions = np.concatenate([np.arange(c, c + n) for c, n in zip(starts, counts)])
             input_ids = np.fromiter(
                 chain.from_iterable(
                     r.token_ids_between(c, c + n) for r, c, n in zip(reqs, starts, counts)
                 ),
                 dtype=np.int64,
-                count=total,
+                count=len(positions),
             )
             rows = np.repeat(self._rows[:num_seqs], counts_np)
             cu_seqlens = np.zeros(num_seqs + 1, dtype=np.int32)
@@ -341,7 +349,10 @@ class ModelRunner:
             num_decode_seqs = next((i for i, n in enumerate(counts) if n != 1), num_seqs)
         bs = self.block_size
         # The slot of every new token: its page (from the block table) and offset.
-        slot_mapping = host_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        pages = (
+            host_tables[0, positions // bs] if rows is None else host_tables[rows, positions // bs]
+        )
+        slot_mapping = pages.astype(np.int64) * bs + positions % bs
         # Width rounded up to a multiple of 16: Triton specializes integer arguments
         # (this row stride) on divisibility by 16, and a width that changes that
         # from step to step recompiles the prefill kernel (~0.5 s each time).
