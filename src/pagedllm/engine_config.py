@@ -32,6 +32,7 @@ LOAD_FORMATS = ("auto", "dummy")
 # no scale (ops/reference.py `to_cache_dtype`): twice bf16's tokens per MiB, and
 # decode attention reads half the bytes, at 3 mantissa bits of precision.
 KV_CACHE_DTYPES = ("auto", "fp8")
+MAX_NUM_SEQS = 65535  # the most programs on a CUDA grid's y and z axes
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,13 @@ class EngineConfig:
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         _check_int("max_num_seqs", self.max_num_seqs, 1)
+        if self.max_num_seqs > MAX_NUM_SEQS:
+            # The attention kernels put a step's sequences on a grid axis of at
+            # most 65,535 programs.
+            raise ValueError(
+                f"max_num_seqs must be <= {MAX_NUM_SEQS:,} (one attention launch takes at most "
+                f"that many sequences), got {self.max_num_seqs}"
+            )
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -134,9 +134,8 @@ class BlockManager:
         hashes = self._hashes.setdefault(request.request_id, [])
         first = len(hashes)
         if first < num_pages:
-            # The new pages' ids as one buffer, each page a slice of it (one page
-            # at a time cost a list and an array per page: ~0.2 ms of a 1,024-token
-            # prompt's scheduling on the GPU machine).
+            # The new pages' ids as one buffer, each page a slice of it (a list and
+            # an array per page took 80 us for 64 pages, this 66 us).
             bs = self.block_size
             ids = array("q", request.token_ids_between(first * bs, num_pages * bs))
             buf = memoryview(ids).cast("B")

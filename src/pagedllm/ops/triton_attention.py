@@ -60,8 +60,8 @@ DECODE_NUM_STAGES = 3
 # Tried: 32-token tiles on one warp for grids of >= 6 programs per SM. Alone, in a
 # graph of attention calls, batch 128-256 ran 3-30 % faster (8B, 256 x 790: 138
 # -> 120 us); inside the engine's decode step the same batches ran 2-3 % slower
-# (scripts/profile_throughput.py, 8B float8: 11.97 -> 12.20 ms per step), so the
-# one tile stays.
+# (scripts/profile_throughput.py, 8B float8, batch 192-256: 11.97 -> 12.20 ms per
+# step, against the tree before it and the grid order below), so one tile stays.
 FP8_DECODE_TILE = (64, 2, 5)  # BLOCK_N, num_warps, num_stages
 MIN_TOKENS_PER_SPLIT = 128  # below this a split costs more than it hides
 MAX_SPLITS = 64
