@@ -17,6 +17,7 @@ import torch
 
 from pagedllm import LLM
 from pagedllm.engine.llm_engine import EngineStalledError
+from pagedllm.engine_config import EngineConfig
 from pagedllm.kv.block_pool import BlockPool
 from pagedllm.model import load_model
 from pagedllm.tokenizer import Tokenizer
@@ -401,3 +402,11 @@ def test_a_tokenizer_with_more_ids_than_the_model_is_refused(tiny, smol_tokenize
     assert smol_tokenizer.vocab_size > tiny.config.vocab_size
     with pytest.raises(ValueError, match="tokenizer has .* ids but the model"):
         LLM(model=tiny, tokenizer=smol_tokenizer, kv_cache_mib=1)
+
+
+def test_max_num_seqs_has_a_ceiling():
+    """The attention kernels put a step's sequences on a grid axis of at most
+    65,535 programs: a larger max_num_seqs is refused when the config is built."""
+    assert EngineConfig(max_num_seqs=65535, max_num_batched_tokens=65535).max_num_seqs == 65535
+    with pytest.raises(ValueError, match="max_num_seqs must be <= 65,535"):
+        EngineConfig(max_num_seqs=65536, max_num_batched_tokens=65536)

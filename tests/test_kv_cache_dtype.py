@@ -109,11 +109,3 @@ def test_fp8_prefix_hits_and_preemption_lose_nothing(tiny):
 def test_kv_cache_dtype_is_checked():
     with pytest.raises(ValueError, match="kv_cache_dtype='int8' is not one of auto, fp8"):
         EngineConfig(kv_cache_dtype="int8")
-
-
-def test_max_num_seqs_has_a_ceiling():
-    """The attention kernels put a step's sequences on a grid axis of at most
-    65,535 programs: a larger max_num_seqs is refused when the config is built."""
-    assert EngineConfig(max_num_seqs=65535, max_num_batched_tokens=65535).max_num_seqs == 65535
-    with pytest.raises(ValueError, match="max_num_seqs must be <= 65,535"):
-        EngineConfig(max_num_seqs=65536, max_num_batched_tokens=65536)

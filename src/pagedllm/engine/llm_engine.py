@@ -646,33 +646,30 @@ def _check_prompt_ids(ids: Any, rid: int, vocab_size: int) -> list[int]:
             )
         ids = tolist()
     if type(ids) in (list, tuple) and set(map(type, ids)) <= {int}:
-        # The usual case, checked at C speed: 1,024 ids in ~35 us here against
-        # ~55 us for the per-id loop below (part of a long prompt's time to first token).
+        # The usual case, checked at C speed: 1,024 ids in ~35 us on a development
+        # machine against ~55 us for the per-id loop below.
         out = list(ids)
-        if out and (min(out) < 0 or max(out) >= vocab_size):
-            _reject_out_of_vocab(out, rid, vocab_size)
-        return out
-    out = []
-    for t in ids:
-        if isinstance(t, bool):
-            raise RequestRejected(f"request {rid}: prompt token ids must be integers, got {t!r}")
-        try:
-            out.append(operator.index(t))
-        except TypeError:
-            raise RequestRejected(
-                f"request {rid}: prompt token ids must be integers, got {t!r} ({type(t).__name__})"
-            ) from None
+    else:
+        out = []
+        for t in ids:
+            if isinstance(t, bool):
+                raise RequestRejected(
+                    f"request {rid}: prompt token ids must be integers, got {t!r}"
+                )
+            try:
+                out.append(operator.index(t))
+            except TypeError:
+                raise RequestRejected(
+                    f"request {rid}: prompt token ids must be integers, "
+                    f"got {t!r} ({type(t).__name__})"
+                ) from None
     if out and (min(out) < 0 or max(out) >= vocab_size):
-        _reject_out_of_vocab(out, rid, vocab_size)
+        bad = [t for t in out if not 0 <= t < vocab_size]
+        raise RequestRejected(
+            f"request {rid}: prompt token ids {bad[:5]} are outside the model's vocabulary "
+            f"[0, {vocab_size})"
+        )
     return out
-
-
-def _reject_out_of_vocab(ids: list[int], rid: int, vocab_size: int) -> None:
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    raise RequestRejected(
-        f"request {rid}: prompt token ids {bad[:5]} are outside the model's vocabulary "
-        f"[0, {vocab_size})"
-    )
 
 
 def _check_params(params: Any, rid: int) -> SamplingParams:

@@ -320,12 +320,13 @@ class ModelRunner:
             num_decode_seqs = 0
         elif num_seqs == 1:
             # One prompt alone (a long prompt's time to first token): the same
-            # arrays in as few NumPy calls as it takes. Right after a wait for the
-            # device each call runs on cold caches, at several times its usual cost.
+            # arrays in fewer NumPy calls. Inside the engine's step each call costs
+            # several times what it does in a loop (cold caches): measured on a
+            # development machine, this whole method 0.2 ms there against 0.05.
             c, n = starts[0], counts[0]
             positions = np.arange(c, c + n)
             input_ids = np.array(reqs[0].token_ids_between(c, c + n), dtype=np.int64)
-            rows = None
+            rows = 0  # every token's block-table row
             cu_seqlens = np.array((0, n), dtype=np.int32)
             seq_lens = np.array((c + n,), dtype=np.int32)
             max_q_len = n
@@ -349,10 +350,7 @@ class ModelRunner:
             num_decode_seqs = next((i for i, n in enumerate(counts) if n != 1), num_seqs)
         bs = self.block_size
         # The slot of every new token: its page (from the block table) and offset.
-        pages = (
-            host_tables[0, positions // bs] if rows is None else host_tables[rows, positions // bs]
-        )
-        slot_mapping = pages.astype(np.int64) * bs + positions % bs
+        slot_mapping = host_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
         # Width rounded up to a multiple of 16: Triton specializes integer arguments
         # (this row stride) on divisibility by 16, and a width that changes that
         # from step to step recompiles the prefill kernel (~0.5 s each time).
