@@ -58,7 +58,7 @@ DECODE_NUM_STAGES = 3
 # Measured (scripts/bench_decode_attention.py, batch 256 x 790 and 64 x 2,048):
 # 2.3-3.2 TB/s at D=64 and 128.
 # Tried: 32-token tiles on one warp for grids of >= 6 programs per SM. Alone, in a
-# graph of attention calls, batch 128-256 ran 3-30 % faster (8B, 256 x 790: 138
+# graph of attention calls, batch 128-256 ran 1-30 % faster (8B, 256 x 790: 138
 # -> 120 us); inside the engine's decode step the same batches ran 2-3 % slower
 # (scripts/profile_throughput.py, 8B float8, batch 192-256: 11.97 -> 12.20 ms per
 # step, against the tree before it and the grid order below), so one tile stays.
