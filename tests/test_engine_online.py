@@ -261,6 +261,35 @@ def test_ctrl_c_after_planning_takes_back_the_pages_it_named(tiny):
     assert llm.generate([prompt], greedy(6), use_tqdm=False)[0].token_ids == want[0]
 
 
+def test_a_prompts_pages_are_named_after_its_step_is_launched(tiny):
+    """The pages a lone new prompt fills are hashed and named once its step is
+    on the device (off the time to first token), before the step's results
+    are read; the next request with that prefix shares them."""
+    llm = LLM(model=tiny, kv_cache_mib=4)
+    eng = llm.engine
+    pool = eng.block_manager.pool
+    prompt = list(range(10, 75))  # 65 tokens: four full pages
+    seen = []
+    real_launch, real_collect = eng.runner.launch, eng.runner.collect
+
+    def launch(plan, feed=None):
+        seen.append(("launch", pool.num_cached, len(plan.unnamed)))
+        return real_launch(plan, feed)
+
+    def collect(step):
+        seen.append(("collect", pool.num_cached, len(step.plan.unnamed)))
+        return real_collect(step)
+
+    eng.runner.launch, eng.runner.collect = launch, collect
+    first = llm.generate([prompt], greedy(2), use_tqdm=False)[0]
+    assert seen[:2] == [("launch", 0, 1), ("collect", 4, 0)]
+    again = llm.generate([prompt[:64] + [99]], greedy(2), use_tqdm=False)[0]
+    assert llm.stats()["prefix_cache_hit_tokens"] == 64
+    _, alone = run(tiny, [prompt, prompt[:64] + [99]], greedy(2), kv_cache_mib=4, **SEED_CONFIG)
+    assert [first.token_ids, again.token_ids] == alone
+    assert_clean(llm)
+
+
 def test_prompt_logprobs_survive_preemption_mid_prompt(tiny):
     """A request asking for prompt log-probs is preempted while its prompt is
     computed in chunks; its recompute sends entries it has already."""

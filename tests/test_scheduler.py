@@ -739,6 +739,70 @@ def test_prefix_cache_shares_computed_pages_with_a_later_request() -> None:
         assert r.output_token_ids == twin.output_token_ids
 
 
+def test_page_names_wait_for_the_launch_unless_a_later_admission_may_share() -> None:
+    """Naming a step's full pages (hashing each) waits until `name_pages`, which
+    the engine calls once the step is launched; a new prompt whose first page
+    is not cached costs one hash to look up. Pages that a request admitted
+    later in the same step could share are named before its lookup."""
+    s = make_scheduler(num_blocks=32, block_size=4, prefix_caching=True, chunked_prefill=True)
+    bm = s.block_manager
+    a = request_from(0, PREFIX[:10], 4)
+    s.add_request(a)
+    out = s.schedule()
+    assert plan_of(out) == ([0], (10,), (0,))
+    assert len(bm._hashes[a.request_id]) == 1  # the first page's, for the lookup
+    assert out.unnamed == [(a, 10)] and out.named_pages == [] and bm.pool.num_cached == 0
+    s.name_pages(out)
+    assert out.unnamed == [] and out.named_pages == [(a, tuple(bm.block_ids(a)[:2]))]
+    assert bm.pool.num_cached == 2
+    s.name_pages(out)  # once only
+    assert out.named_pages == [(a, tuple(bm.block_ids(a)[:2]))]
+    s.update(out, [5])
+
+    # In one step: b shares a's first page (named last step), and c shares b's
+    # pages of this very step, so they are named before c's lookup; d's first
+    # page is new to all of them, so its lookup names nothing.
+    b = request_from(1, [*PREFIX[:4], 20, 21, 22, 23, 24], 4)
+    c = request_from(2, [*PREFIX[:4], 20, 21, 22, 23, 25, 26, 27, 28, 29], 4)
+    d = request_from(3, [30, 31, 32, 33, 34, 35], 4)
+    for r in (b, c, d):
+        s.add_request(r)
+    out = s.schedule()
+    assert ids(out.admitted) == [1, 2, 3]
+    assert (b.num_cached_tokens, c.num_cached_tokens, d.num_cached_tokens) == (4, 8, 0)
+    assert out.fresh_hits == (c,)
+    assert bm.block_ids(c)[:2] == bm.block_ids(b)[:2]
+    assert (b, (bm.block_ids(b)[1],)) in out.named_pages
+    assert out.unnamed == [(c, 13), (d, 6)]  # named once the step is launched
+    s.name_pages(out)
+    assert (c, (bm.block_ids(c)[2],)) in out.named_pages
+    assert (d, (bm.block_ids(d)[0],)) in out.named_pages
+    s.check_invariants()
+
+
+def test_a_step_undone_before_its_pages_are_named_names_none() -> None:
+    """undo_step on a plan whose pages were never named leaves nothing to take
+    back, and they are not named later; a caller that skips `name_pages` gets
+    them named by `update` (or by the next `schedule`)."""
+    s = make_scheduler(num_blocks=16, block_size=4, prefix_caching=True)
+    bm = s.block_manager
+    a = request_from(0, PREFIX[:10], 4)
+    s.add_request(a)
+    out = s.schedule()
+    s.undo_step(out)
+    assert out.unnamed == [] and bm.pool.num_cached == 0
+    s.check_invariants()
+    out = s.schedule()  # planned again: a's tokens are still uncomputed
+    assert plan_of(out) == ([0], (10,), (0,)) and bm.pool.num_cached == 0
+    s.update(out, [5])
+    assert bm.pool.num_cached == 2 and out.unnamed == []
+    b = request_from(1, PREFIX[:9], 4)
+    s.add_request(b)
+    out = s.schedule()  # a decodes (no page filled), b shares a's two pages
+    assert b.num_cached_tokens == 8
+    s.check_invariants()
+
+
 def test_prefix_cache_hit_on_freed_pages_and_whole_prompt() -> None:
     s = make_scheduler(
         num_blocks=8,

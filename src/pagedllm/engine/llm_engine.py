@@ -390,8 +390,13 @@ class LLMEngine:
                 if not plan.scheduled:
                     self._raise_stalled()
                 # 2. Lists -> tensors -> logits -> sampled ids, queued on the device.
-                # Interruptible: nothing below changes bookkeeping until step 3.
+                # Interruptible: nothing below changes bookkeeping until step 3
+                # but the page names, which undo_step takes back.
                 launched = self.runner.launch(plan)
+                # The full pages this step fills get their prefix-cache names
+                # while the device runs it (a long prompt's hashes cost ~0.1 ms).
+                with deferred_interrupts():
+                    self.scheduler.name_pages(plan)
             if self.async_scheduling:
                 with deferred_interrupts():
                     successor = self.scheduler.schedule_continuation(plan)

@@ -10,7 +10,8 @@ the admission policy (scheduler): it answers "does this fit?" and does it.
 Prefix caching: the hash of page j of a request is chained,
 `hash(page j-1's hash, the page's token ids)`, so equal hashes mean equal
 *prefixes*, not only equal pages: the K/V of a token depends on every token
-before it. Only full pages are named, when the step that computes them is planned. A request
+before it. Only full pages are named, for the step that computes them (see
+`cache_pages`). A request
 arriving with a prefix whose pages are named shares them (their reference
 counts go up) and starts computing after them; it always computes at least its
 last token (the logits of the next one come from it).
@@ -118,6 +119,10 @@ class BlockManager:
         if not self.enable_caching:
             return [], 0
         max_pages = (request.num_tokens - 1) // self.block_size
+        # The first page alone first: a prompt whose first page is not cached
+        # (most new prompts) costs one hash here, not one per page.
+        if max_pages == 0 or self.pool.lookup(self._hashes_of(request, 1)[0]) is None:
+            return [], 0
         hashes = self._hashes_of(request, max_pages)
         hits: list[int] = []
         for block_hash in hashes[:max_pages]:
@@ -126,6 +131,18 @@ class BlockManager:
                 break
             hits.append(block_id)
         return hits, len(hits) * self.block_size
+
+    def may_share(self, request: Request, hit: int, unnamed: list[tuple[Request, int]]) -> bool:
+        """Whether naming the pages `unnamed` lists (request, tokens) could give
+        `request` a longer cached prefix than the `hit` tokens found now. Names
+        chain from the first page, so with no hit the first page must equal
+        one of theirs."""
+        if hit:
+            return True
+        if request.num_tokens - 1 < self.block_size:
+            return False  # no full page to share (the last token is always computed)
+        first = self._hashes_of(request, 1)[0]
+        return any(n >= self.block_size and self._hashes_of(r, 1)[0] == first for r, n in unnamed)
 
     def _hashes_of(self, request: Request, num_pages: int) -> list[bytes]:
         """The names of the request's first `num_pages` full pages, each computed
@@ -149,8 +166,9 @@ class BlockManager:
         """Name the request's full pages among its first `num_tokens` tokens, so
         later requests can share them; return the pages named by this call.
 
-        The scheduler calls this when it plans the step that computes those
-        tokens, not after: a request admitted later in the same step may then
+        The scheduler calls this for the step that computes those tokens, not
+        after it ran: once the step is launched (`Scheduler.name_pages`), or
+        while planning it when a request admitted later in the same step may
         share them, which is sound because each layer writes every new token's
         K/V before any attention of that layer reads the cache. If the step
         fails, `forget_uncomputed` takes the names back (`Scheduler.undo_step`).

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedllm.engine_config import ADMISSION_POLICIES, BATCHING_POLICIES
 from pagedllm.kv.block_manager import BlockManager
@@ -120,9 +120,15 @@ class SchedulerOutput:
     finished_request_ids: tuple[int, ...] = ()
     admission_wait: bool = False
     # Prefix cache: pages this step's computation names (per request), and the
-    # requests admitted on some of them: what `undo_step` takes back.
-    named_pages: tuple[tuple[Request, tuple[int, ...]], ...] = ()
+    # requests admitted on some of them: what `undo_step` takes back. Naming
+    # hashes every full page (~1-2 us each), so it waits where it can:
+    # `unnamed` holds (request, tokens) still to name, and `Scheduler.name_pages`
+    # names them once the step is launched (the engine calls it; `update`,
+    # `schedule` and `undo_step` settle any left). Pages that a request admitted
+    # in this same step could share are named before its lookup.
+    named_pages: list[tuple[Request, tuple[int, ...]]] = field(default_factory=list)
     fresh_hits: tuple[Request, ...] = ()
+    unnamed: list[tuple[Request, int]] = field(default_factory=list)
 
     # How many of the step's tokens are prompt (or recomputed) tokens, and how
     # many are one decode token of a generating request.
@@ -168,6 +174,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self._finished_ids: list[int] = []  # since the last plan
+        self._unnamed_plan: SchedulerOutput | None = None  # the plan with pages left to name
         # Counters for --stats.
         self.num_admission_waits = 0
         self.num_preemptions = 0
@@ -236,6 +243,7 @@ class Scheduler:
 
     # -------------------------------------------------------------- planning
     def schedule(self) -> SchedulerOutput:
+        self._settle_names()
         plan = _Plan(self.config.max_num_batched_tokens, self.block_manager)
         if self.config.chunked_prefill:
             self._schedule_chunked(plan)
@@ -247,7 +255,7 @@ class Scheduler:
         self._count_step(plan)
         finished, self._finished_ids = tuple(self._finished_ids), []
         bm = self.block_manager
-        return SchedulerOutput(
+        out = SchedulerOutput(
             scheduled=tuple(plan.requests),
             num_new_tokens=tuple(plan.num_new),
             num_computed_tokens=tuple(r.num_computed_tokens for r in plan.requests),
@@ -258,9 +266,33 @@ class Scheduler:
             admission_wait=plan.admission_wait,
             num_prefill_tokens=plan.num_prefill_tokens,
             num_decode_tokens=plan.num_decode_tokens,
-            named_pages=tuple((r, tuple(p)) for r, p in plan.named.items() if p),
+            named_pages=[(r, tuple(p)) for r, p in plan.named.items() if p],
             fresh_hits=tuple(plan.fresh_hits),
+            unnamed=plan.unnamed,
         )
+        if out.unnamed:
+            self._unnamed_plan = out
+        return out
+
+    def name_pages(self, plan: SchedulerOutput) -> None:
+        """Name the full pages that `plan`'s step computes and has not named yet
+        (prefix caching), adding them to `plan.named_pages`. The engine calls it
+        right after launching the step, while the device runs it; calling it
+        again, or for a plan without such pages, does nothing."""
+        if plan.unnamed:
+            bm = self.block_manager
+            for request, num_tokens in plan.unnamed:
+                named = bm.cache_pages(request, num_tokens)
+                if named:
+                    plan.named_pages.append((request, tuple(named)))
+            plan.unnamed.clear()
+        if self._unnamed_plan is plan:
+            self._unnamed_plan = None
+
+    def _settle_names(self) -> None:
+        """Name what the last plan left unnamed (a caller that never called `name_pages`)."""
+        if self._unnamed_plan is not None:
+            self.name_pages(self._unnamed_plan)
 
     def schedule_continuation(self, prev: SchedulerOutput) -> SchedulerOutput | None:
         """The step after `prev`, planned before `prev` ran (async scheduling):
@@ -283,6 +315,7 @@ class Scheduler:
         whose last token is the unknown one cannot be named now (its hash
         needs that token): `update` names it once the step has run.
         """
+        self._settle_names()
         if (
             not prev.scheduled
             or prev.num_prefill_tokens
@@ -397,6 +430,9 @@ class Scheduler:
             # A request that wants prompt log-probs computes every prompt token.
             wants_all = head.sampling_params.prompt_logprobs is not None
             cached, hit = ([], 0) if wants_all else bm.find_cached_prefix(head)
+            if plan.unnamed and not wants_all and bm.may_share(head, hit, plan.unnamed):
+                plan.name_pages()  # pages this step computes that the head may share
+                cached, hit = bm.find_cached_prefix(head)
             todo = head.num_tokens - hit
             n = min(todo, plan.budget) if chunked else todo
             if self.config.admission == "reserve":
@@ -475,6 +511,7 @@ class Scheduler:
                 f"got {len(sampled_token_ids)} sampled ids for "
                 f"{len(output.scheduled)} scheduled requests"
             )
+        self.name_pages(output)
         updates: list[RequestUpdate] = []
         running = RequestStatus.RUNNING
         continuation = output.is_continuation
@@ -511,6 +548,9 @@ class Scheduler:
         tokens stay uncomputed and are planned again. Pages it named are
         unnamed (their K/V may be half written), and a request admitted on
         such pages is preempted to recompute (it counted them as computed)."""
+        plan.unnamed.clear()  # never named: nothing to take back
+        if self._unnamed_plan is plan:
+            self._unnamed_plan = None
         bm = self.block_manager
         for request, named in plan.named_pages:
             bm.forget_uncomputed(request, list(named))
@@ -639,6 +679,7 @@ class _Plan:
         self.admission_wait = False
         self.named: dict[Request, list[int]] = {}  # pages each request's tokens fill
         self.named_set: set[int] = set()
+        self.unnamed: list[tuple[Request, int]] = []  # (request, tokens): pages to name
         self.fresh_hits: list[Request] = []
         self.is_decode: list[bool] = []  # per planned request: one decode token?
         self.num_prefill_tokens = 0  # prompt (or recomputed) tokens
@@ -657,12 +698,11 @@ class _Plan:
             self.num_decode_tokens += 1
         else:
             self.num_prefill_tokens += n
-        # Pages these tokens fill get their names now, for later admissions to share.
+        # Pages these tokens fill get names, for later requests to share: when
+        # the step is launched, or before a later admission that may share them.
         bm = self.block_manager
         if bm.enable_caching and (c + n) // bm.block_size > c // bm.block_size:
-            named = bm.cache_pages(request, c + n)
-            self.named[request] = named
-            self.named_set.update(named)
+            self.unnamed.append((request, c + n))
 
     def add_one(self, request: Request) -> None:
         """`add(request, 1)`, for the hot path: a request's one next token."""
@@ -678,9 +718,15 @@ class _Plan:
             self.num_prefill_tokens += 1
         bm = self.block_manager
         if bm.enable_caching and (c + 1) % bm.block_size == 0:  # fills a page
-            named = bm.cache_pages(request, c + 1)
-            self.named[request] = named
+            self.unnamed.append((request, c + 1))
+
+    def name_pages(self) -> None:
+        """Name now the pages planned so far (an admission may share them)."""
+        for request, num_tokens in self.unnamed:
+            named = self.block_manager.cache_pages(request, num_tokens)
+            self.named.setdefault(request, []).extend(named)
             self.named_set.update(named)
+        self.unnamed.clear()
 
     def drop(self, request: Request) -> None:
         """Unschedule a request preempted after it was planned; refund its tokens.
@@ -694,6 +740,7 @@ class _Plan:
             else:
                 self.num_prefill_tokens -= n
             del self.requests[i], self.num_new[i], self.is_decode[i]
+        self.unnamed[:] = [(r, n) for r, n in self.unnamed if r is not request]
         named = self.named.pop(request, [])
         self.block_manager.forget_uncomputed(request, named)
         self.named_set.difference_update(named)
