@@ -223,50 +223,53 @@ class PrefillGraphs:
         dev = model.device
         self.kv_caches = kv_caches
         self.fence = fence
-        self.host_tables = host_tables
+        self.host_tables = host_tables.numpy()
         self.buckets = prefill_buckets(max_tokens)
         self.max_tokens = self.buckets[-1] if self.buckets else 0
-        width = host_tables.shape[1]
         t = self.max_tokens
-        self.block_tables = torch.zeros((1, width), dtype=torch.int32, device=dev)
-        # Pinned host staging: [ids | positions | slots] as int64, then
-        # [cu_seqlens (2) | seq_len | last row] as int64 too (one copy each).
-        self.h_long = torch.zeros((3, t), dtype=torch.long).pin_memory()
-        self.h_meta = torch.zeros(4, dtype=torch.long).pin_memory()
-        self.d_long = torch.zeros((3, t), dtype=torch.long, device=dev)
-        self.d_meta = torch.zeros(4, dtype=torch.long, device=dev)
-        self.cu_seqlens = torch.zeros(2, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.zeros(1, dtype=torch.int32, device=dev)
+        width = host_tables.shape[1]
+        # One pinned int64 staging buffer, one copy a step (each copy call costs
+        # the host ~10 us): [ids | positions | slots] (t each), the last row,
+        # then what the kernels read as int32: [cu_seqlens (2) | seq_len | unused
+        # | block-table row (width)], converted by one copy inside the graph (the
+        # row starts 16-byte aligned). A step copies up to its table's last column.
+        self.i32_at = 3 * t + 1
+        self.h_in = torch.zeros(self.i32_at + 4 + width, dtype=torch.long).pin_memory()
+        self.d_in = torch.zeros_like(self.h_in, device=dev)
+        self.d_i32 = torch.zeros(4 + width, dtype=torch.int32, device=dev)
+        self.cu_seqlens = self.d_i32[0:2]
+        self.seq_lens = self.d_i32[2:3]
+        self.block_tables = self.d_i32[4:].view(1, width)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         if self.buckets:
             self._capture(model)
 
     def _batch(self, t: int) -> ForwardBatch:
+        d, m = self.d_in, self.max_tokens
         return ForwardBatch(
-            input_ids=self.d_long[0, :t],
-            positions=self.d_long[1, :t],
-            slot_mapping=self.d_long[2, :t],
+            input_ids=d[:t],
+            positions=d[m : m + t],
+            slot_mapping=d[2 * m : 2 * m + t],
             block_tables=self.block_tables,
             seq_lens=self.seq_lens,
             cu_seqlens_q=self.cu_seqlens,
-            logits_indices=self.d_meta[3:4],
+            logits_indices=d[3 * m : 3 * m + 1],
             is_decode=False,
             max_q_len=t,  # the grid covers the bucket; blocks past the sequence exit
             max_seq_len=t,
         )
 
     def _forward(self, model, t: int) -> torch.Tensor:
-        # The int32 views the kernels read are filled inside the graph from the
-        # one int64 metadata copy.
-        self.cu_seqlens.copy_(self.d_meta[0:2])
-        self.seq_lens.copy_(self.d_meta[2:3])
+        # The int32 values the kernels read, from the one int64 copy.
+        self.d_i32.copy_(self.d_in[self.i32_at :])
         return model.compute_logits(model.forward(self._batch(t), self.kv_caches))
 
     @torch.inference_mode()
     def _capture(self, model) -> None:
-        self.d_long[2].fill_(-1)  # store nothing while capturing
-        self.d_meta.copy_(torch.tensor([0, 1, 1, 0]))
+        m, i = self.max_tokens, self.i32_at
+        self.d_in[2 * m : 3 * m].fill_(-1)  # store nothing while capturing
+        self.d_in[i : i + 3].copy_(torch.tensor([0, 1, 1]))  # cu_seqlens, seq_len
         self.graphs, self.outputs = capture_graphs(self.buckets, lambda t: self._forward(model, t))
 
     def can_run(self, host: HostBatch) -> bool:
@@ -280,21 +283,24 @@ class PrefillGraphs:
 
     def run(self, host: HostBatch) -> torch.Tensor:
         """Copy the step's host arrays into the graph's buffers and replay; (1, V) logits.
-        (The host memory the copies read is guarded by `fence`, as for decode.)"""
+        (The host memory the copy reads is guarded by `fence`, as for decode.)"""
         n = len(host.input_ids)
         t = next(x for x in self.buckets if x >= n)
-        h = self.h_long.numpy()
-        h[0, :n] = host.input_ids
-        h[1, :n] = host.positions
-        h[2, :n] = host.slot_mapping
-        h[0:2, n:t] = 0
-        h[2, n:t] = -1
-        self.h_meta.numpy()[:] = (0, n, int(host.seq_lens[0]), n - 1)
-        # Whole buffers: a contiguous pinned source keeps the copies asynchronous.
-        self.d_long.copy_(self.h_long, non_blocking=True)
-        self.d_meta.copy_(self.h_meta, non_blocking=True)
-        width = host.block_tables.shape[1]
-        self.block_tables[:, :width].copy_(self.host_tables[0:1, :width], non_blocking=True)
+        m, width = self.max_tokens, host.block_tables.shape[1]
+        h = self.h_in.numpy()
+        h[:n] = host.input_ids
+        h[m : m + n] = host.positions
+        h[2 * m : 2 * m + n] = host.slot_mapping
+        h[n:t] = 0  # padding: token 0 at position 0, stored nowhere
+        h[m + n : m + t] = 0
+        h[2 * m + n : 2 * m + t] = -1
+        h[3 * m] = n - 1  # the last real token's row
+        i = self.i32_at
+        h[i : i + 3] = (0, n, host.seq_lens[0])
+        end = i + 4 + width
+        h[i + 4 : end] = self.host_tables[0, :width]
+        # A contiguous pinned source keeps the copy asynchronous.
+        self.d_in[:end].copy_(self.h_in[:end], non_blocking=True)
         self.fence.copies_queued()
         self.graphs[t].replay()
         return self.outputs[t]
