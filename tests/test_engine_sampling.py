@@ -128,6 +128,42 @@ def test_logprobs_and_prompt_logprobs_match_log_softmax(tiny, llm):
         assert set(row.topk(2).indices.tolist()) <= set(entry)
 
 
+def test_last_layer_for_the_logits_rows_only_changes_no_logprob(tiny):
+    """A prefill or mixed step runs the last layer's attention, o_proj and MLP
+    for each sequence's last token only (decode attention over its pages):
+    every sampled token's log-probs still equal the full forward pass's
+    (`forward_logits`, no cache): whole prompts, a prompt computed in chunks
+    after a cached prefix, and prompt chunks mixed with decode tokens."""
+    g = torch.Generator().manual_seed(4)
+    a = torch.randint(3, 500, (45,), generator=g).tolist()
+    b = a[:32] + torch.randint(3, 500, (30,), generator=g).tolist()  # two pages cached
+    c = torch.randint(3, 500, (5,), generator=g).tolist()
+    llm = LLM(model=tiny, kv_cache_mib=2, max_num_batched_tokens=24, max_num_seqs=4)  # chunks
+    shortcut = []
+    real = tiny._layers
+
+    def layers(impl, batch, hidden, kv_caches):
+        out = real(impl, batch, hidden, kv_caches)
+        shortcut.append((batch.is_decode, out[2]))
+        return out
+
+    tiny._layers = layers
+    try:
+        params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=3)
+        outs = [llm.generate([a], params)[0]] + llm.generate([c, b], params)
+    finally:
+        del tiny._layers
+    assert (False, True) in shortcut and all(g for d, g in shortcut if not d)
+    assert llm.stats()["prefix_cache_hit_tokens"] >= 32
+    for prompt, out in zip((a, c, b), outs):
+        ref = torch.log_softmax(tiny.forward_logits(prompt + out.token_ids), -1)
+        for i, (entry, tok) in enumerate(zip(out.logprobs, out.token_ids)):
+            row = ref[len(prompt) - 1 + i]
+            assert tok == int(row.argmax())
+            for t, lp in entry.items():
+                assert abs(lp - row[t].item()) < 1e-4, (i, t)
+
+
 def test_min_tokens_and_stop_token_ids(tiny, llm):
     prompt = PROMPTS[0]
     free = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[

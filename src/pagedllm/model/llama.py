@@ -101,24 +101,42 @@ class LlamaModel:
         # One token (batch-1 decode): every kernel of the layers is ours, so each may
         # start while the one before finishes (ops/triton_pdl.py).
         with ops.kernel_chain(batch.num_tokens == 1 and self.tp is None):
-            hidden, residual = self._layers(impl, batch, hidden, kv_caches)
+            hidden, residual, gathered = self._layers(impl, batch, hidden, kv_caches)
 
         # 5. Only the rows whose logits are wanted go through the final norm and LM head.
-        idx = batch.logits_indices
-        out, _ = impl.fused_add_rms_norm(hidden[idx], residual[idx], self.norm, cfg.rms_norm_eps)
+        if not gathered:
+            idx = batch.logits_indices
+            hidden, residual = hidden[idx], residual[idx]
+        out, _ = impl.fused_add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
         if tracer is not None:  # the rows that go to the LM head
             tracer(len(self.layers), "final_norm", out)
         return out  # (N, E)
 
     def _layers(
         self, impl, batch: ForwardBatch, hidden: torch.Tensor, kv_caches: list[KVCache] | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoder layers: (hidden, residual) of the last layer, not yet added."""
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The decoder layers: (hidden, residual) of the last layer, not yet added,
+        and whether they hold only the rows of `batch.logits_indices`.
+
+        The last layer's K/V are needed for every new token (later tokens attend
+        to them), but its attention output, o_proj and MLP only for the rows
+        whose logits are wanted. When those are one per sequence (its last new
+        token: every step but one asking for prompt log-probs), the last layer
+        computes only those rows, after it stores every row's K/V: decode
+        attention of each sequence's last token over its pages. A lone prompt of
+        1,024 tokens skips 1/L of its prefill (L layers); a decode step loses nothing."""
         cfg = self.config
         num_tokens = batch.num_tokens
         q_size, kv_size = cfg.q_size, cfg.kv_size
         tracer = self.tracer
         residual = None
+        gather = (
+            bool(kv_caches)
+            and not batch.is_decode
+            and tracer is None  # a trace records every row
+            and batch.logits_indices.shape[0] == batch.num_seqs  # one row per sequence
+        )
+        last, gathered = len(self.layers) - 1, False
         for i, layer in enumerate(self.layers):
             # 1. Pre-attention norm; the residual add of the previous layer is fused in.
             if residual is None:
@@ -166,7 +184,20 @@ class LlamaModel:
                 q, k = impl.rope_and_store(
                     q, k, v, batch.positions, self.cos_sin_cache, *kv_cache, batch.slot_mapping
                 )
-                attn = self._attention(impl, batch, q, k, v, kv_cache)
+                if i == last and gather:  # the last layer: the logits rows only
+                    idx = batch.logits_indices
+                    attn = impl.decode_attention(
+                        q[idx],
+                        *kv_cache,
+                        batch.block_tables,
+                        batch.seq_lens,
+                        self.scale,
+                        max_seq_len=batch.max_seq_len,
+                    )  # (B, H, D)
+                    residual = residual[idx]
+                    num_tokens, gathered = len(idx), True
+                else:
+                    attn = self._attention(impl, batch, q, k, v, kv_cache)
             if tracer is not None:
                 for name, t in (("q", q), ("k", k), ("v", v), ("attention", attn)):
                     tracer(i, name, t)
@@ -193,7 +224,7 @@ class LlamaModel:
                 tracer(i, "down", hidden)
                 # the residual stream after this layer (HF's hidden state)
                 tracer(i, "hidden", hidden + residual)
-        return hidden, residual
+        return hidden, residual, gathered
 
     def _embed(self, impl, input_ids: torch.Tensor) -> torch.Tensor:
         """(T,) ids -> (T, E). Vocabulary-parallel: each rank embeds the ids of its
