@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.bench.workloads import random_prompt
 from pagedllm.model_source import ModelSpec, load_model
 
 
@@ -74,6 +75,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--runs", type=int, default=25)
     ap.add_argument("--tiny", action="store_true", help="a tiny random model on the CPU")
+    ap.add_argument(
+        "--bench-prompt",
+        action="store_true",
+        help="`bench ttft`'s random prompt (default: a fixed pattern)",
+    )
     args = ap.parse_args()
     if args.tiny:
         model = tiny_model()
@@ -99,10 +105,16 @@ def main() -> None:
         timers.wrap(owner, name, label)
 
     vocab = model.config.vocab_size
+    base = random_prompt(args.prompt_len, vocab)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rows: list[dict[str, float]] = []
     for run in range(args.runs + 3):  # the first three warm up
-        ids = [(run * 131 + 7) % vocab] + [(i * 7919) % vocab for i in range(1, args.prompt_len)]
+        if args.bench_prompt:
+            ids = [(base[0] + run + 1) % vocab, *base[1:]]  # as bench ttft moves it
+        else:
+            ids = [(run * 131 + 7) % vocab] + [
+                (i * 7919) % vocab for i in range(1, args.prompt_len)
+            ]
         if cuda:
             torch.cuda.synchronize()
         timers.marks.clear()

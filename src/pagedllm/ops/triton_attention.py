@@ -697,13 +697,17 @@ def prefill_attention(
     v_cache: torch.Tensor | None = None,
     block_tables: torch.Tensor | None = None,
     max_q_len: int | None = None,
+    *,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Causal flash attention over a packed batch; see `reference.prefill_attention`.
 
     Grid: (query blocks of the longest sequence, H, B); blocks past a shorter
     sequence's end exit at once. `max_q_len` (host int, optional) sizes the
     grid; without it a single sequence uses T and a batch costs one host sync.
-    A cached prefix (seq_len > q_len) is read through block_tables.
+    A cached prefix (seq_len > q_len) is read through block_tables. `config`:
+    (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of `_prefill_config`'s
+    (scripts/bench_prefill_attention.py).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -727,7 +731,7 @@ def prefill_attention(
         k_cache = v_cache = block_tables = q  # dummies, never read
         block_size = 16
         cache_strides = (0,) * 7
-    block_m, block_n, num_warps, num_stages = _prefill_config(q.dtype, head_dim)
+    block_m, block_n, num_warps, num_stages = config or _prefill_config(q.dtype, head_dim)
     grid = (triton.cdiv(max_q_len, block_m), num_heads, batch)
     _prefill_kernel[grid](
         q,
