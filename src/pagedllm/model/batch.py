@@ -21,7 +21,9 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # (B,) int32: tokens per sequence *including* the new ones
     cu_seqlens_q: torch.Tensor  # (B+1,) int32: where each sequence's new tokens start in T
     logits_indices: torch.Tensor  # (N,) int64: rows of T whose logits are wanted
-    is_decode: bool  # every sequence has exactly one new token
+    # Every sequence has exactly one new token; then every row is a logits row
+    # (logits_indices is 0 .. B-1), and the model reads the rows as they are.
+    is_decode: bool
     # Host-side hints (ints known without a device sync), used to size kernel grids.
     max_q_len: int = 0
     max_seq_len: int = 0
