@@ -177,6 +177,30 @@ def test_llm_with_two_ranks_equals_one(models):
         two.generate(PROMPTS[:1], sp)
 
 
+def test_the_last_layer_shortcut_and_a_trace_agree_across_ranks(models):
+    """A prefill step computes its last layer for the logits rows only, on every
+    rank alike; a trace (a tracer on rank 0's model only) makes every rank
+    compute every row. Both give the one-process engine's tokens and log-probs."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.trace import trace_steps
+
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+    settings = dict(device="cpu", dtype="float32", kv_cache_mib=1, block_size=4)
+    one = LLM(models[0], **settings)
+    want = one.generate(PROMPTS, sp)
+    want_trace = trace_steps(one.engine, PROMPTS[:1], sp, steps=2)
+    with LLM(models[0], tensor_parallel_size=2, **settings) as two:
+        got = two.generate(PROMPTS, sp)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        for g, w in zip(got, want):
+            for gl, wl in zip(g.logprobs, w.logprobs):
+                assert gl.keys() == wl.keys()
+                assert all(abs(gl[t] - wl[t]) < 1e-4 for t in gl)
+        trace = trace_steps(two.engine, PROMPTS[:1], sp, steps=2)
+        assert [r["sampled"] for r in trace] == [r["sampled"] for r in want_trace]
+        assert two.generate(PROMPTS[:1], sp)[0].token_ids == want[0].token_ids
+
+
 def test_async_scheduling_with_two_ranks_equals_one(models):
     """Async scheduling with tensor parallelism: a queued decode step's input ids
     are sampled on rank 0 and reach the worker by a broadcast. Greedy tokens and

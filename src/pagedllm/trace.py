@@ -159,6 +159,7 @@ def trace_steps(
 
     def prepare(plan, full):
         host = real_prepare(plan, full)
+        host.every_row = True  # the last layer too computes every row (see LlamaModel._layers)
         on_batch(host)
         return host
 

@@ -31,6 +31,9 @@ class ForwardBatch:
     # new token each. The model runs decode attention for them and prefill
     # attention for the rest (a prefill tile would pad each such row to 64 queries).
     num_decode_seqs: int = 0
+    # The last layer computes every row, not only the logits rows (see
+    # `LlamaModel._layers`; a trace sets it: every tensor-parallel rank must agree).
+    every_row: bool = False
 
     @property
     def num_tokens(self) -> int:

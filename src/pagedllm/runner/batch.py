@@ -31,6 +31,9 @@ class HostBatch:
     # A mixed step: its first sequences that have one new token each (decode
     # attention reads them; 0 for an all-decode step, see ForwardBatch).
     num_decode_seqs: int = 0
+    # The last layer computes every row, not only the logits rows (a trace
+    # records them all; set here so that every tensor-parallel rank agrees).
+    every_row: bool = False
 
     @property
     def num_seqs(self) -> int:

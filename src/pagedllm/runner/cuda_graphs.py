@@ -217,12 +217,14 @@ class PrefillGraphs:
         model: LlamaModel,
         kv_caches: list[KVCache],
         max_tokens: int,
+        max_model_len: int,
         host_tables: torch.Tensor,
         fence: CopyFence,
     ) -> None:
         dev = model.device
         self.kv_caches = kv_caches
         self.fence = fence
+        self.max_model_len = max_model_len
         self.host_tables = host_tables.numpy()
         self.buckets = prefill_buckets(max_tokens)
         self.max_tokens = self.buckets[-1] if self.buckets else 0
@@ -257,7 +259,10 @@ class PrefillGraphs:
             logits_indices=d[3 * m : 3 * m + 1],
             is_decode=False,
             max_q_len=t,  # the grid covers the bucket; blocks past the sequence exit
-            max_seq_len=t,
+            # The last layer's decode attention picks its split count from this
+            # (each split's range comes from seq_lens on the device): a chunk
+            # after a long cached prefix gets as many splits as a decode step.
+            max_seq_len=self.max_model_len,
         )
 
     def _forward(self, model, t: int) -> torch.Tensor:
@@ -279,6 +284,7 @@ class PrefillGraphs:
             and host.num_seqs == 1
             and len(host.logits_indices) == 1
             and len(host.input_ids) <= self.max_tokens
+            and not host.every_row
         )
 
     def run(self, host: HostBatch) -> torch.Tensor:

@@ -272,6 +272,7 @@ class ModelRunner:
                 model,
                 self.kv_caches,
                 min(max_num_batched_tokens, max_model_len),
+                max_model_len,
                 self.host_tables_t,
                 self.fence,
             )
@@ -400,6 +401,7 @@ class ModelRunner:
             max_q_len=host.max_q_len,
             max_seq_len=host.max_seq_len,
             num_decode_seqs=host.num_decode_seqs,
+            every_row=host.every_row,
         )
 
     # ------------------------------------------------------------------
