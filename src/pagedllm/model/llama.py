@@ -102,13 +102,14 @@ class LlamaModel:
         # start while the one before finishes (ops/triton_pdl.py).
         with ops.kernel_chain(batch.num_tokens == 1 and self.tp is None):
             hidden, residual, gathered = self._layers(impl, batch, hidden, kv_caches)
-            # 5. Only the rows whose logits are wanted go through the final norm and
-            #    LM head. A decode step's rows are its logits rows, in order: no
-            #    gather (two kernels fewer in every decode step).
-            if not (gathered or batch.is_decode):
-                idx = batch.logits_indices
-                hidden, residual = hidden[idx], residual[idx]
-            out, _ = impl.fused_add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
+
+        # 5. Only the rows whose logits are wanted go through the final norm and LM
+        #    head. A decode step's rows are its logits rows, in order: no gather
+        #    (two kernels fewer in every decode step).
+        if not (gathered or batch.is_decode):
+            idx = batch.logits_indices
+            hidden, residual = hidden[idx], residual[idx]
+        out, _ = impl.fused_add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
         if tracer is not None:  # the rows that go to the LM head
             tracer(len(self.layers), "final_norm", out)
         return out  # (N, E)

@@ -116,8 +116,8 @@ _KERNEL_CHAIN = contextvars.ContextVar("pagedllm_kernel_chain", default=False)
 def kernel_chain(active: bool = True) -> Iterator[None]:
     """Within (when `active`), our Triton kernels may launch as programmatic
     dependents of the kernel before them. `LlamaModel.forward` opens it around
-    its layers and the final norm when one token runs (batch-1 decode: GEMVs,
-    norms, RoPE + KV store and decode attention, all Triton)."""
+    its layers when one token runs (batch-1 decode: GEMVs, norms, RoPE + KV
+    store and decode attention, all Triton)."""
     token = _KERNEL_CHAIN.set(active)
     try:
         yield
