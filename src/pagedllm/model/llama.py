@@ -136,7 +136,6 @@ class LlamaModel:
             bool(kv_caches)
             and not batch.is_decode
             and not batch.every_row  # a trace records every row (every rank agrees)
-            and (tracer is None or self.tp is not None)  # a tracer alone: every row too
             and batch.logits_indices.shape[0] == batch.num_seqs  # one row per sequence
         )
         last, gathered = len(self.layers) - 1, False
