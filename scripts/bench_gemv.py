@@ -1,8 +1,8 @@
 """The M = 1 projections of the Llama presets: our Triton GEMV against cuBLAS (GPU).
 
 For each weight shape of Llama-3.2-1B and Llama-3.1-8B (q/k/v, o_proj,
-gate/up, down with SwiGLU fused into its input): cuBLAS (`F.linear`, plus
-the SwiGLU kernel for down) against the GEMV at every (BLOCK_N, BLOCK_K,
+gate/up with SwiGLU in its epilogue, down): cuBLAS (`F.linear`, plus the
+SwiGLU kernel after gate/up) against the GEMV at every (BLOCK_N, BLOCK_K,
 num_warps) of a small grid, one x row. Each candidate is timed as the engine
 runs it: a CUDA graph of L calls over L different copies of the weight (more
 than L2 holds, as a decode step's next layer never is in L2), replayed; time
@@ -14,7 +14,7 @@ bench latency` runs in this process on each preset (random bf16 weights),
 with the GEMV and without it (GEMV_MAX_ROWS = 0), alternating.
 
     PYTHONPATH=src python3 scripts/bench_gemv.py [--json PATH] [--quick] \
-        [--e2e llama-3.2-1b llama-3.1-8b]
+        [--only down gate_up] [--e2e llama-3.2-1b llama-3.1-8b]
 """
 
 from __future__ import annotations
@@ -34,20 +34,21 @@ from pagedllm.ops import triton_gemv
 from pagedllm.ops.triton_act import silu_and_mul
 
 COPY = 4.28e12
-SHAPES = [  # name, N, K, act
+SHAPES = [  # name, N, K, glu (SwiGLU in the epilogue)
     ("1B qkv", 3072, 2048, False),
     ("1B o_proj", 2048, 2048, False),
-    ("1B gate_up", 16384, 2048, False),
-    ("1B down+act", 2048, 8192, True),
+    ("1B gate_up+act", 16384, 2048, True),
+    ("1B down", 2048, 8192, False),
     ("8B qkv", 6144, 4096, False),
     ("8B o_proj", 4096, 4096, False),
-    ("8B gate_up", 28672, 4096, False),
-    ("8B down+act", 4096, 14336, True),
+    ("8B gate_up+act", 28672, 4096, True),
+    ("8B down", 4096, 14336, False),
 ]
 
 
-def cublas_once(x: torch.Tensor, w: torch.Tensor, act: bool) -> torch.Tensor:
-    return torch.nn.functional.linear(silu_and_mul(x) if act else x, w)
+def cublas_once(x: torch.Tensor, w: torch.Tensor, glu: bool) -> torch.Tensor:
+    y = torch.nn.functional.linear(x, w)
+    return silu_and_mul(y) if glu else y
 
 
 def in_graph_us(fn, weights: list[torch.Tensor], replays: int = 20) -> float:
@@ -56,36 +57,40 @@ def in_graph_us(fn, weights: list[torch.Tensor], replays: int = 20) -> float:
     return us / len(weights)
 
 
-def sweep(grid) -> list[dict]:
+def sweep(grid, only: list[str]) -> list[dict]:
     rows = []
     print(
         f"{'shape':<14}{'cuBLAS us':>10}{'GB/s':>7}{'GEMV us':>9}{'GB/s':>7}{'x':>6}"
         "  best (BLOCK_N, BLOCK_K, warps)  rel err"
     )
-    for name, n, k, act in SHAPES:
+    for name, n, k, glu in SHAPES:
+        if only and not any(word in name for word in only):
+            continue
         nbytes = n * k * 2
         copies = max(4, -(-400_000_000 // nbytes))  # > 400 MB in all: never in L2
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5]
         weights += [torch.empty_like(weights[0]).copy_(weights[0]) for _ in range(copies - 1)]
-        x = torch.randn(1, 2 * k if act else k, device="cuda", dtype=torch.bfloat16)
-        want = ref.silu_and_mul_linear(x, weights[0]) if act else ref.linear(x, weights[0])
-        cublas = in_graph_us(partial(cublas_once, x, act=act), weights)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        want = ref.linear_silu_and_mul(x, weights[0]) if glu else ref.linear(x, weights[0])
+        cublas = in_graph_us(partial(cublas_once, x, glu=glu), weights)
         timed = []
         for cfg in grid:
+            if glu and cfg[0] % 2:
+                continue  # two rows of W (gate, up) per output column
             try:
-                t = in_graph_us(partial(gemv_once, x, act=act, config=cfg), weights)
+                t = in_graph_us(partial(gemv_once, x, glu=glu, config=cfg), weights)
             except Exception as e:  # a config Triton cannot compile (registers)
                 print(f"  {cfg}: {type(e).__name__}")
                 continue
             timed.append((t, cfg))
         t, cfg = min(timed)
-        got = triton_gemv.gemv(x, weights[0], act=act, config=cfg)
+        got = triton_gemv.gemv(x, weights[0], glu=glu, config=cfg)
         err = ((got.float() - want.float()).norm() / want.float().norm()).item()
         row = {
             "shape": name,
             "n": n,
             "k": k,
-            "act": act,
+            "glu": glu,
             "cublas_us": cublas,
             "gemv_us": t,
             "config": list(cfg),
@@ -108,8 +113,8 @@ def sweep(grid) -> list[dict]:
     return rows
 
 
-def gemv_once(x, w, act, config):
-    return triton_gemv.gemv(x, w, act=act, config=config)
+def gemv_once(x, w, glu, config):
+    return triton_gemv.gemv(x, w, glu=glu, config=config)
 
 
 def e2e(presets: list[str]) -> list[dict]:
@@ -141,6 +146,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true", help="a smaller config grid")
+    ap.add_argument("--only", nargs="*", default=[], help="shapes whose name has a word")
     ap.add_argument("--e2e", nargs="*", default=[], metavar="PRESET")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -151,7 +157,7 @@ def main() -> None:
             (2, 4) if args.quick else (1, 2, 4, 8),
         )
     )
-    rows = sweep(grid)
+    rows = sweep(grid, args.only)
     record = {"device": torch.cuda.get_device_name(), "rows": rows}
     for r in rows:  # install the winners for the end-to-end runs
         triton_gemv.CONFIGS[(r["n"], r["k"])] = tuple(r["config"])

@@ -6,7 +6,7 @@ kernel's last wave still runs: they read their first chunk of W (which never
 depends on the previous kernel) and then wait (`gdc_wait`) for its output.
 
 For the layer shapes of Llama-3.2-1B (16 layers) and Llama-3.1-8B (32): the
-chain qkv -> o_proj -> gate/up -> down(+SwiGLU) of every layer, each GEMV's
+chain qkv -> o_proj -> gate/up(+SwiGLU) -> down of every layer, each GEMV's
 x the previous one's output, captured in one CUDA graph and replayed. Time
 per layer with PDL off and on; the same chain with the model's two RMSNorm
 kernels (the residual add fused into them, launched with PDL too, as inside
@@ -49,8 +49,8 @@ def chain(x, weights, norm_w, pdl, mode):
             qkv = triton_gemv.gemv(h, qkv_w, pdl=pdl)
             o = triton_gemv.gemv(qkv[:, : o_w.shape[1]], o_w, pdl=pdl)
             h = fused_add_rms_norm(o, residual, norm_w, 1e-5)[0] if mode == "norms" else o
-            gu = triton_gemv.gemv(h, gu_w, pdl=pdl)
-            x = triton_gemv.gemv(gu, down_w, act=True, pdl=pdl)
+            act = triton_gemv.gemv(h, gu_w, glu=True, pdl=pdl)
+            x = triton_gemv.gemv(act, down_w, pdl=pdl)
     return x
 
 

@@ -121,19 +121,29 @@ def test_silu_and_mul(gen, dtype, inter):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 37, 100), (1, 64, 512), (2, 50, 700), (3, 8, 33)])
-@pytest.mark.parametrize("act", [False, True])
-def test_gemv(gen, dtype, m, n, k, act):
-    """Every (BLOCK_N, BLOCK_K) against the reference, ragged N and K included."""
+@pytest.mark.parametrize("glu", [False, True])
+def test_gemv(gen, dtype, m, n, k, glu):
+    """Every (BLOCK_N, BLOCK_K) against the reference, ragged N and K included; with
+    `glu`, W has 2n rows [gate | up] and SwiGLU runs in the epilogue."""
     from pagedllm.ops import triton_gemv
 
-    x = torch.randn(m, 2 * k if act else k, generator=gen).to(dtype)
-    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
-    want = ref.silu_and_mul_linear(x, w) if act else ref.linear(x, w)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(2 * n if glu else n, k, generator=gen) * k**-0.5).to(dtype)
+    want = ref.linear_silu_and_mul(x, w) if glu else ref.linear(x, w)
     tol = {} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2e-3}
-    for config in [(4, 128, 4), (1, 256, 2), (16, 64, 4)]:
-        got = triton_gemv.gemv(x, w, act=act, config=config)
+    for config in [(4, 128, 4), (2, 256, 2), (16, 64, 4)] + ([] if glu else [(1, 256, 2)]):
+        got = triton_gemv.gemv(x, w, glu=glu, config=config)
         assert got.dtype == dtype and got.shape == (m, n)
         torch.testing.assert_close(got, want, **tol)
+
+
+def test_gemv_glu_needs_even_rows():
+    from pagedllm.ops import triton_gemv
+
+    with pytest.raises(ValueError, match="even"):
+        triton_gemv.gemv(torch.ones(1, 8), torch.ones(4, 8), glu=True, config=(1, 64, 1))
+    with pytest.raises(ValueError, match="even"):
+        triton_gemv.gemv(torch.ones(1, 8), torch.ones(5, 8), glu=True, config=(2, 64, 1))
 
 
 def test_linear_dispatch(gen, monkeypatch):
@@ -150,12 +160,9 @@ def test_linear_dispatch(gen, monkeypatch):
     for rows in (1, triton_gemv.GEMV_MAX_ROWS, triton_gemv.GEMV_MAX_ROWS + 1):
         x = torch.randn(rows, 96, generator=gen)
         torch.testing.assert_close(tri.linear(x, w), ref.linear(x, w))
-        gate_up = torch.randn(rows, 192, generator=gen)
-        torch.testing.assert_close(
-            tri.silu_and_mul_linear(gate_up, w), ref.silu_and_mul_linear(gate_up, w)
-        )
+        torch.testing.assert_close(tri.linear_silu_and_mul(x, w), ref.linear_silu_and_mul(x, w))
     most = triton_gemv.GEMV_MAX_ROWS
-    assert calls == [(1, 96), (1, 192), (most, 96), (most, 192)]  # not most + 1 rows
+    assert calls == [(1, 96), (1, 96), (most, 96), (most, 96)]  # not most + 1 rows
     torch.testing.assert_close(tri.linear(x[:1], w.t().contiguous().t()), ref.linear(x[:1], w))
     assert len(calls) == 4  # a transposed (non-contiguous) weight too
 

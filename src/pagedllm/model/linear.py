@@ -54,12 +54,13 @@ class Linear:
 
     forward = __call__
 
-    def after_silu_and_mul(self, gate_up: torch.Tensor, impl: ModuleType) -> torch.Tensor:
-        """This projection of silu_and_mul(gate_up): (T, 2I) -> (T, out). On CUDA one
-        op (`silu_and_mul_linear`: Triton fuses the gate into a single row's GEMV)."""
+    def then_silu_and_mul(self, x: torch.Tensor, impl: ModuleType) -> torch.Tensor:
+        """silu_and_mul of this projection (gate and up stacked, [gate | up]):
+        (T, in) -> (T, out / 2). On CUDA one op (`linear_silu_and_mul`: Triton puts
+        SwiGLU in a single row's GEMV epilogue)."""
         if not self.transposed:
-            return impl.silu_and_mul_linear(gate_up, self.stored)
-        return self(impl.silu_and_mul(gate_up))
+            return impl.linear_silu_and_mul(x, self.stored)
+        return impl.silu_and_mul(self(x))
 
     @property
     def weight(self) -> torch.Tensor:

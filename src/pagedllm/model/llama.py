@@ -212,14 +212,14 @@ class LlamaModel:
             x, residual = impl.fused_add_rms_norm(
                 hidden, residual, layer.post_norm, cfg.rms_norm_eps
             )
-            gate_up = layer.gate_up_proj(x, impl)  # (T, 2I)
-            if tracer is None:  # SwiGLU then down: fused on CUDA for one row (a GEMV)
-                hidden = layer.down_proj.after_silu_and_mul(gate_up, impl)  # (T, E)
-            else:  # the same ops, with SwiGLU's (T, I) output in hand for the trace
+            if tracer is None:  # gate/up then SwiGLU: one GEMV on CUDA for one row
+                act = layer.gate_up_proj.then_silu_and_mul(x, impl)  # (T, I)
+            else:  # the same ops, with the (T, 2I) gate_up in hand for the trace
+                gate_up = layer.gate_up_proj(x, impl)  # (T, 2I)
                 act = impl.silu_and_mul(gate_up)  # (T, I)
-                hidden = layer.down_proj(act, impl)  # (T, E)
                 for name, t in (("mlp_norm", x), ("gate_up", gate_up), ("swiglu", act)):
                     tracer(i, name, t)
+            hidden = layer.down_proj(act, impl)  # (T, E)
             if self.tp is not None:
                 self.tp.all_reduce(hidden)
             if tracer is not None:

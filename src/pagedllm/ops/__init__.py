@@ -31,7 +31,7 @@ OP_NAMES = (
     "fused_add_rms_norm",
     "silu_and_mul",
     "linear",
-    "silu_and_mul_linear",
+    "linear_silu_and_mul",
     "apply_rope",
     "store_kvcache",
     "rope_and_store",

@@ -67,9 +67,10 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The MLP's second half: silu_and_mul(gate_up) (T, I) @ weight.T -> (T, E)."""
-    return linear(silu_and_mul(gate_up), weight)
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The MLP's first half: silu_and_mul(x (T, E) @ weight.T), weight (2I, E) laid
+    out [gate | up] -> (T, I)."""
+    return silu_and_mul(linear(x, weight))
 
 
 # --------------------------------------------------------------------------

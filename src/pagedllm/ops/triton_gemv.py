@@ -10,11 +10,14 @@ and keeps a (BLOCK_N, BLOCK_K) float32 accumulator of elementwise products,
 summed across K once at the end: one pass over W, no split-K, no reduce.
 
 Owns: `linear(x, weight)` (the op `reference.linear`) and
-`silu_and_mul_linear(gate_up, weight)` (`reference.silu_and_mul_linear`:
-SwiGLU's gate fused into the down projection's input, so the (T, I) product
-is never written). Rows beyond GEMV_MAX_ROWS, other dtypes and non-contiguous
-weights go to cuBLAS (`F.linear`). Does not own: the numerics, which are the
-reference's up to float32 summation order.
+`linear_silu_and_mul(x, weight)` (`reference.linear_silu_and_mul`: the gate/up
+projection with SwiGLU in its epilogue, so a single row's (1, 2I) gate_up is
+never written and the down projection reads a plain (1, I) row). For the
+second, a program takes, for each of its output columns j, gate row j and up row
+I + j side by side, and applies silu(gate) * up to the two sums. Rows beyond
+GEMV_MAX_ROWS, other dtypes and non-contiguous weights go to cuBLAS
+(`F.linear`). Does not own: the numerics, which are the reference's up to
+float32 summation order.
 
 Rows of x: a program serves one x row and one block of W's rows; the grid
 puts the x rows of one W block next to each other, so at M > 1 the W tile
@@ -35,23 +38,23 @@ from pagedllm.ops.triton_pdl import pdl_start, pdl_wait, use_pdl
 # x rows up to which the GEMV serves: at 2 and 4 rows cuBLAS was as fast or faster
 # (scripts/bench_gemv.py, H200, 2026-12-01: 1B gate_up 34 vs 27 us at M = 2).
 GEMV_MAX_ROWS = 1
-# (BLOCK_N, BLOCK_K, num_warps) per weight shape (N, K): the fastest of a 64-config
-# grid, timed in a CUDA graph over weights that miss L2 (scripts/bench_gemv.py, H200,
-# 2026-12-01; us per call, cuBLAS -> GEMV: 1B qkv 6.07 -> 4.93, o_proj 6.00 -> 4.02,
-# gate_up 18.5 -> 17.5, down + SwiGLU 13.9 -> 11.3; 8B qkv 16.3 -> 14.1, o_proj
-# 12.5 -> 10.2, gate_up 56.9 -> 54.7 (4.29 TB/s), down + SwiGLU 32.6 -> 32.3).
-# Two rows a program and 1,024-2,048 columns a step won nearly everywhere; other
-# shapes take DEFAULT_CONFIG.
+# (BLOCK_N, BLOCK_K, num_warps) per weight shape (N, K); BLOCK_N counts rows of W
+# (with SwiGLU, BLOCK_N / 2 gate rows and as many up rows). The fastest of a grid
+# timed in a CUDA graph over weights that miss L2 (scripts/bench_gemv.py, H200). us
+# per call, cuBLAS -> GEMV: 1B qkv 6.07 -> 4.93, o_proj 6.00 -> 4.02; 8B qkv 16.3 ->
+# 14.1, o_proj 12.5 -> 10.2 (2026-12-01); 1B gate/up + SwiGLU 19.6 -> 17.7, down 12.7
+# -> 9.9; 8B gate/up + SwiGLU 57.5 -> 54.0 (4.35 TB/s), down 30.5 -> 28.6 (4.11 TB/s;
+# 32.3 us when SwiGLU ran in its input) (2026-12-02). Other shapes: DEFAULT_CONFIG.
 DEFAULT_CONFIG = (2, 1024, 4)
 CONFIGS: dict[tuple[int, int], tuple[int, int, int]] = {
     (3072, 2048): (2, 1024, 4),  # Llama-3.2-1B q/k/v
     (2048, 2048): (2, 1024, 4),  # o_proj
-    (16384, 2048): (2, 1024, 1),  # gate/up
-    (2048, 8192): (8, 2048, 8),  # down
+    (16384, 2048): (2, 2048, 2),  # gate/up + SwiGLU
+    (2048, 8192): (4, 2048, 4),  # down
     (6144, 4096): (2, 1024, 4),  # Llama-3.1-8B q/k/v
     (4096, 4096): (2, 2048, 2),  # o_proj
-    (28672, 4096): (2, 2048, 2),  # gate/up
-    (4096, 14336): (8, 2048, 8),  # down
+    (28672, 4096): (4, 2048, 4),  # gate/up + SwiGLU
+    (4096, 14336): (2, 2048, 2),  # down
 }
 
 
@@ -60,39 +63,33 @@ def config_for(n: int, k: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _load_x(x_row, k, k_ok, K, ACT: tl.constexpr):
-    """A chunk of the x row in float32; with ACT, silu(gate) * up rounded as
-    reference.silu_and_mul rounds it."""
-    if ACT:
-        gate = tl.load(x_row + k, mask=k_ok, other=0.0)
-        up = tl.load(x_row + K + k, mask=k_ok, other=0.0)
-        g = gate.to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-        return (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
-    return tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _gemv_kernel(
-    x_ptr,  # (M, K), or (M, 2K) laid out [gate | up] when ACT
-    w_ptr,  # (N, K), rows contiguous
-    out_ptr,  # (M, N)
+    x_ptr,  # (M, K)
+    w_ptr,  # (N, K), rows contiguous; with GLU, N = 2I laid out [gate | up]
+    out_ptr,  # (M, N), or (M, N / 2) with GLU
     N,
     K,
     stride_x,
     stride_w,
     stride_out,
     M: tl.constexpr,
-    ACT: tl.constexpr,  # x = silu(gate) * up, computed as reference.silu_and_mul rounds it
-    BLOCK_N: tl.constexpr,
+    GLU: tl.constexpr,  # out = silu(x @ gate.T) * (x @ up.T), as reference.silu_and_mul rounds it
+    BLOCK_N: tl.constexpr,  # rows of W per program
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent of the kernel before it
 ):
     pdl_start(PDL)  # ops/triton_pdl.py
     pid = tl.program_id(0)
     m = pid % M  # the x rows of one W block are neighbours in the grid (L2 reuse)
-    rows = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    row_ok = rows < N
+    r = tl.arange(0, BLOCK_N)
+    if GLU:  # rows (gate j, up j) for BLOCK_N / 2 output columns j
+        half = N // 2
+        out_cols = (pid // M) * (BLOCK_N // 2) + r // 2
+        rows = out_cols + (r % 2) * half  # (BLOCK_N,)
+        row_ok = out_cols < half
+    else:
+        rows = (pid // M) * BLOCK_N + r  # (BLOCK_N,)
+        row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w  # (BLOCK_N, 1)
     x_row = x_ptr + m.to(tl.int64) * stride_x
@@ -101,38 +98,50 @@ def _gemv_kernel(
     k_ok = cols < K
     w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
     pdl_wait(PDL)
-    acc = w.to(tl.float32) * _load_x(x_row, cols, k_ok, K, ACT)[None, :]
+    x = tl.load(x_row + cols, mask=k_ok, other=0.0).to(tl.float32)
+    acc = w.to(tl.float32) * x[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + cols
         k_ok = k < K
-        x = _load_x(x_row, k, k_ok, K, ACT)
+        x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)  # (BLOCK_N,)
-    tl.store(
-        out_ptr + m.to(tl.int64) * stride_out + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok
-    )
+    dtype = out_ptr.dtype.element_ty
+    out_row = out_ptr + m.to(tl.int64) * stride_out
+    if GLU:
+        gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))  # each rounded as cuBLAS's output
+        g = gate.to(dtype).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(dtype)
+        out = (silu.to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
+        j = (pid // M) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_row + j, out, mask=j < half)
+    else:
+        tl.store(out_row + rows, y.to(dtype), mask=row_ok)
 
 
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
-    act: bool = False,
+    glu: bool = False,
     config: tuple[int, int, int] | None = None,
     pdl: bool | None = None,
 ) -> torch.Tensor:
-    """x (M, K) -> (M, N) = x @ weight.T, weight (N, K); with `act`, x is (M, 2K)
-    [gate | up] and silu(gate) * up is what multiplies. `config`: (BLOCK_N,
-    BLOCK_K, num_warps), default `config_for(N, K)`. `pdl`: launch as a
+    """x (M, K) -> (M, N) = x @ weight.T, weight (N, K); with `glu`, weight is
+    (2I, K) laid out [gate | up] and the result (M, I) is silu(x @ gate.T) *
+    (x @ up.T). `config`: (BLOCK_N, BLOCK_K, num_warps), default `config_for(N,
+    K)`; BLOCK_N is rows of W per program (even with `glu`). `pdl`: launch as a
     programmatic dependent (ops/triton_pdl.py); None: `use_pdl(x)`."""
     n, k = weight.shape
     m = x.shape[0]
+    block_n, block_k, warps = config or config_for(n, k)
+    if glu and (n % 2 or block_n % 2):
+        raise ValueError(f"a SwiGLU GEMV needs an even row count and BLOCK_N, got {n}, {block_n}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n // 2 if glu else n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_n, block_k, warps = config or config_for(n, k)
     if pdl is None:
         pdl = use_pdl(x)
     grid = (triton.cdiv(n, block_n) * m,)
@@ -146,7 +155,7 @@ def gemv(
         weight.stride(0),
         out.stride(0),
         M=m,
-        ACT=act,
+        GLU=glu,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PDL=pdl,
@@ -172,9 +181,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """See `reference.silu_and_mul_linear`: fused into the GEMV for a few rows, else
-    the SwiGLU kernel then cuBLAS."""
-    if _gemv_ok(gate_up, weight) and gate_up.shape[-1] == 2 * weight.shape[1]:
-        return gemv(gate_up, weight, act=True)
-    return F.linear(silu_and_mul(gate_up), weight)
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """See `reference.linear_silu_and_mul`: one GEMV with SwiGLU in its epilogue for a
+    few rows, else cuBLAS then the SwiGLU kernel."""
+    if _gemv_ok(x, weight) and weight.shape[0] % 2 == 0:
+        return gemv(x, weight, glu=True)
+    return silu_and_mul(F.linear(x, weight))

@@ -21,7 +21,7 @@ from pagedllm.ops.triton_attention import (
     prefill_attention,
     rope_store_decode_attention,
 )
-from pagedllm.ops.triton_gemv import linear, silu_and_mul_linear
+from pagedllm.ops.triton_gemv import linear, linear_silu_and_mul
 from pagedllm.ops.triton_kv import embedding, store_kvcache
 from pagedllm.ops.triton_norm import fused_add_rms_norm, rms_norm
 from pagedllm.ops.triton_rope import apply_rope, rope_and_store
@@ -32,7 +32,7 @@ __all__ = [
     "fused_add_rms_norm",
     "silu_and_mul",
     "linear",
-    "silu_and_mul_linear",
+    "linear_silu_and_mul",
     "apply_rope",
     "store_kvcache",
     "rope_and_store",
