@@ -137,8 +137,14 @@ def test_gemv(gen, dtype, m, n, k, glu):
         torch.testing.assert_close(got, want, **tol)
 
 
-def test_gemv_glu_needs_even_rows():
+def test_gemv_glu_needs_even_rows(gen, monkeypatch):
+    """A given odd BLOCK_N or an odd row count is an error; an odd tuned tile (one
+    a plain projection of the same shape might have) is rounded up."""
     from pagedllm.ops import triton_gemv
+
+    monkeypatch.setitem(triton_gemv.CONFIGS, (6, 8), (1, 64, 1))
+    x, w = torch.randn(1, 8, generator=gen), torch.randn(6, 8, generator=gen)
+    torch.testing.assert_close(triton_gemv.gemv(x, w, glu=True), ref.linear_silu_and_mul(x, w))
 
     with pytest.raises(ValueError, match="even"):
         triton_gemv.gemv(torch.ones(1, 8), torch.ones(4, 8), glu=True, config=(1, 64, 1))

@@ -135,6 +135,8 @@ def gemv(
     n, k = weight.shape
     m = x.shape[0]
     block_n, block_k, warps = config or config_for(n, k)
+    if glu and config is None and block_n % 2:
+        block_n += 1  # a tuned entry for a plain projection of the same shape
     if glu and (n % 2 or block_n % 2):
         raise ValueError(f"a SwiGLU GEMV needs an even row count and BLOCK_N, got {n}, {block_n}")
     if x.stride(-1) != 1:
