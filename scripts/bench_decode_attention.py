@@ -8,9 +8,11 @@ the bf16 and the float8 cache, each with the engine's tile and at each
 engine runs it: a CUDA graph of one call per layer, each layer with its own
 pages, replayed; time per call = graph time / layers. GB/s counts the K and V
 bytes of every context once (what a call must read); the ceiling is the
-4.28 TB/s copy rate.
+4.28 TB/s copy rate. A tile is (KV heads per program, BLOCK_N, num_warps,
+num_stages); a tile that does not fit is skipped. --long leaves out the
+batch-1 cases.
 
-    PYTHONPATH=src python3 scripts/bench_decode_attention.py [--quick] [--json PATH]
+    PYTHONPATH=src python3 scripts/bench_decode_attention.py [--quick] [--long] [--json PATH]
 
 Prints a table per case and one JSON line last. With --fused, instead: a
 decode step's RoPE + K/V store + attention as two kernels (rope_and_store,
@@ -58,6 +60,14 @@ def graph_us(fn, layers: int, replays: int = 10) -> float:
     return us / layers
 
 
+def tile_grid() -> dict[torch.dtype, list[tuple[int, int, int, int]]]:
+    """The tiles swept per page dtype: (heads per program, BLOCK_N, warps, stages)."""
+    prod = itertools.product
+    bf16 = [*prod((1, 2, 4), (16, 32, 64), (4,), (3,)), *prod((2, 4), (32, 64), (2, 8), (3,))]
+    fp8 = [*prod((1, 2, 4), (32, 64, 128), (2, 4), (5,)), *prod((4,), (32, 64), (4,), (3,))]
+    return {torch.bfloat16: bf16, FP8: fp8}
+
+
 def run_case(shape, batch, ctx, bound, grid) -> list[dict]:
     name, h, hkv, d, layers = shape
     q = torch.randn(batch, h, d, device="cuda", dtype=torch.bfloat16)
@@ -68,8 +78,8 @@ def run_case(shape, batch, ctx, bound, grid) -> list[dict]:
     for dtype in (torch.bfloat16, FP8):
         caches = [(k.to(dtype), v.to(dtype)) for k, v in bf16_caches]
         nbytes = 2 * batch * ctx * hkv * d * dtype.itemsize
-        for cfg in [None, *grid]:
-            names = ("block_n", "num_warps", "num_stages")
+        for cfg in [None, *grid.get(dtype, [])]:
+            names = ("heads_per_program", "block_n", "num_warps", "num_stages")
             kw = {} if cfg is None else dict(zip(names, cfg))
 
             def fn(i, kw=kw, caches=caches):
@@ -153,16 +163,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the default tiles only")
     ap.add_argument("--json", help="write the rows here too")
+    ap.add_argument("--long", action="store_true", help="leave out the batch-1 cases")
     ap.add_argument("--fused", action="store_true", help="two kernels against one (see above)")
     args = ap.parse_args()
     if args.fused:
         rows = [r for shape in SHAPES for case in CASES for r in run_fused(shape, *case)]
         print(json.dumps({"rope_store_decode_attention": rows}))
         return
-    grid = [] if args.quick else list(itertools.product((32, 64, 128), (1, 2, 4), (3, 5)))
+    grid = {} if args.quick else tile_grid()
     rows, summary = [], []
     for shape in SHAPES:
         for batch, ctx, bound in CASES:
+            if args.long and batch == 1:
+                continue
             case = run_case(shape, batch, ctx, bound, grid)
             best = {}
             for dt in ("bfloat16", "float8_e4m3fn"):

@@ -336,6 +336,42 @@ def test_decode_attention(gen, head_dim, num_heads, num_kv_heads, num_splits):
     assert rel_err(out, want) < 1e-5
 
 
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "heads_per_program"),
+    [(8, 2, 2), (16, 4, 4), (4, 4, 2), (8, 8, 8)],
+)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8])
+def test_decode_attention_heads_per_program(
+    gen, num_heads, num_kv_heads, heads_per_program, num_splits, cache_dtype
+):
+    """Several KV heads per program (one contiguous K/V row of all of them per
+    token, a block-diagonal q): each query head still sees only its own KV head."""
+    k_cache, v_cache, block_tables = paged_cache(DECODE_LENS, num_kv_heads, 64, gen=gen)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    q, _, _ = fused_qkv_views(len(DECODE_LENS), num_heads, num_kv_heads, 64, gen=gen)
+    seq_lens = torch.tensor(DECODE_LENS, dtype=torch.int32)
+    want = ref.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    out = tri.decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, 0.125,
+        num_splits=num_splits, heads_per_program=heads_per_program, block_n=32,
+    )  # fmt: skip
+    assert rel_err(out, want) < 1e-5
+
+
+def test_heads_per_program_rule():
+    hpp = triton_attention._heads_per_program
+    bf16, f8 = torch.bfloat16, FP8
+    assert hpp(256, 4, 8, 64, f8, 132) == 2  # Llama-3.2-1B, float8 pages: 128-byte rows
+    assert hpp(99, 4, 8, 64, f8, 132) == 2
+    assert hpp(98, 4, 8, 64, f8, 132) == 1  # a thinner grid: one head per program
+    assert hpp(256, 4, 8, 128, f8, 132) == 1  # Llama-3.1-8B: 128 values already
+    assert hpp(256, 4, 8, 64, bf16, 132) == 1  # 16-bit pages: one head
+    assert hpp(256, 3, 3, 64, f8, 132) == 1  # SmolLM2-135M: 3 KV heads
+    assert hpp(256, 16, 8, 32, f8, 132) == 1  # 16 query rows already
+    assert hpp(256, 1, 32, 32, f8, 132) == 4
+
+
 def test_decode_attention_default_split_choice(gen):
     """No hint: the block-table width picks the splits (here > 1, one sequence)."""
     lens = [150]
@@ -351,15 +387,17 @@ def test_decode_attention_default_split_choice(gen):
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_decode_attention_padding_rows_give_zeros(gen, num_splits):
+@pytest.mark.parametrize("heads_per_program", [1, 2])
+def test_decode_attention_padding_rows_give_zeros(gen, num_splits, heads_per_program):
     """seq_len 0 rows (CUDA-graph padding) are zeros, and the real rows stay right."""
     k_cache, v_cache, block_tables = paged_cache([20, 1], 2, 64, gen=gen)
     block_tables[1] = -1  # a padding row points nowhere
     q = torch.randn(2, 4, 64, generator=gen)
     seq_lens = torch.tensor([20, 0], dtype=torch.int32)
     out = tri.decode_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, 0.1, num_splits=num_splits
-    )
+        q, k_cache, v_cache, block_tables, seq_lens, 0.1,
+        num_splits=num_splits, heads_per_program=heads_per_program,
+    )  # fmt: skip
     want = ref.decode_attention(q[:1], k_cache, v_cache, block_tables[:1], seq_lens[:1], 0.1)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert rel_err(out[:1], want) < 1e-5

@@ -47,8 +47,8 @@ LOG2E = 1.4426950408889634
 DECODE_TILE_BYTES = 16384
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
-# float8 pages: 64-token tiles, 2 warps, 5 stages. Triton's pipeliner gives this
-# loop (a block-table load, then the K/V loads that depend on it) one shared
+# float8 pages: 8 KB tiles (64 tokens at D=128), 2 warps, 5 stages. Triton's
+# pipeliner gives this loop (a block-table load, then the K/V loads that depend on it) one shared
 # buffer per tile up to num_stages=4: the next tile's copy is issued only after
 # the current tile's math, so every tile pays the full memory latency. At 5 stages
 # it keeps two buffers and the copy of tile n+1 overlaps the math of tile n. The
@@ -62,17 +62,59 @@ DECODE_NUM_STAGES = 3
 # -> 120 us); inside the engine's decode step the same batches ran 2-3 % slower
 # (scripts/profile_throughput.py, 8B float8, batch 192-256: 11.97 -> 12.20 ms per
 # step, against the tree before it and the grid order below), so one tile stays.
-FP8_DECODE_TILE = (64, 2, 5)  # BLOCK_N, num_warps, num_stages
+# At D=64, 128-token tiles (8 KB) ran faster than 64 for batch 64 x 2,048 (49.7
+# against 55.1 us alone; in the engine's steps of batch 16-63, 4-5 % faster).
+FP8_DECODE_TILE_BYTES = 8192
+FP8_DECODE_NUM_WARPS = 2
+FP8_DECODE_NUM_STAGES = 5
+# KV heads per program (the kernel's HP) for float8 pages: HP neighbouring heads'
+# rows of a token read as one row of HP * D values. With one head a token's K row
+# is D bytes, 64 at D=64, fetched from pages where each 16-token page interleaves
+# every KV head. Two heads at D=64 (128-byte rows): 1B, batch 256 x 790, 82.4 ->
+# 71.5 us alone (scripts/bench_decode_attention.py); in the engine, 1B float8
+# throughput 43,342 -> 45,711 tok/s (scripts/profile_throughput.py). HP is taken
+# only while HP_MIN_PROGRAMS_PER_SM programs per SM remain (a thinner grid was
+# slower). Rows wider than 128 values were slower (8B, D=128, two heads: 193 us
+# against 138). 16-bit pages stay at one head: alone, four heads at D=64 (512-byte
+# rows) ran 112 -> 101 us at batch 256 x 790, but in the engine's decode steps,
+# with ragged contexts, 4-8 % slower per step (1B bf16 steps of batch
+# 128-191: 2.64 -> 2.75 ms with two heads; 192-256: 2.87-3.16 -> 3.11-3.42 with
+# four), so the rule does not use them; `heads_per_program=` still can.
+MAX_FP8_ROW_VALUES = 128
+HP_MIN_PROGRAMS_PER_SM = 3
 MIN_TOKENS_PER_SPLIT = 128  # below this a split costs more than it hides
 MAX_SPLITS = 64
 
 
-def _decode_tile(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for decode over pages of `dtype`."""
+def _decode_tile(row: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for decode over pages of `dtype`, reading
+    `row` values (heads per program x head_dim) per token."""
+    row_bytes = row * dtype.itemsize
     if dtype.itemsize == 1:
-        return FP8_DECODE_TILE
-    block_n = max(16, min(128, DECODE_TILE_BYTES // (head_dim * dtype.itemsize)))
+        block_n = max(16, min(128, FP8_DECODE_TILE_BYTES // row_bytes))
+        return block_n, FP8_DECODE_NUM_WARPS, FP8_DECODE_NUM_STAGES
+    block_n = max(16, min(128, DECODE_TILE_BYTES // row_bytes))
     return block_n, DECODE_NUM_WARPS, DECODE_NUM_STAGES
+
+
+def _heads_per_program(
+    batch: int, group: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_sms: int
+) -> int:
+    """KV heads per decode program: one for 16-bit pages; for float8 pages the most
+    (a power of two dividing num_kv_heads) whose query rows fit one 16-row dot and
+    whose row is at most MAX_FP8_ROW_VALUES, while the grid keeps
+    HP_MIN_PROGRAMS_PER_SM programs per SM. A pure function of host ints, so a
+    captured graph keeps its choice."""
+    hp = 1
+    while (
+        dtype.itemsize == 1
+        and num_kv_heads % (2 * hp) == 0
+        and 2 * hp * group <= 16
+        and 2 * hp * head_dim <= MAX_FP8_ROW_VALUES
+        and batch * num_kv_heads // (2 * hp) >= HP_MIN_PROGRAMS_PER_SM * num_sms
+    ):
+        hp *= 2
+    return hp
 
 
 def _prefill_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
@@ -230,13 +272,23 @@ def _decode_kernel(
     NEW_TOKEN: tl.constexpr,  # RoPE, the KV store and the newest token done here
     CACHE_MAX: tl.constexpr,  # float8 caches: the clamp of to_cache
     PDL: tl.constexpr,  # a programmatic dependent launch (ops/triton_pdl.py)
+    HP: tl.constexpr = 1,  # KV heads per program (neighbours in the cache row)
 ):
     pdl_start(PDL)
-    # Grid (Hkv, B, S): the KV heads of one sequence are neighbouring programs, so
-    # they run side by side and read each page (all heads of 16 tokens) together.
+    # Grid (Hkv / HP, B, S): the KV heads of one sequence are neighbouring programs,
+    # so they run side by side and read each page (all heads of 16 tokens) together.
     # With b first, a page's rows of one head (64 bytes at D=64 in float8) were read
     # in different waves: 1B, float8, batch 256 x 790 took 93.5 us, now 82.5.
-    kvh = tl.program_id(0)
+    #
+    # With HP > 1 a program takes HP neighbouring KV heads, so each token's K (and V)
+    # is one contiguous row of HP * D values (W below) instead of HP rows of D. The
+    # HP * G query rows share one dot: row r of q holds its head's values in the D
+    # columns of its KV head (r // G) and zeros elsewhere, so q @ K^T over the W
+    # columns gives each row the scores against its own KV head only. P @ V gives
+    # every row all HP heads' sums; each row keeps (stores) its own D columns. The
+    # dots do HP times the multiply-adds of one head's, on rows that were padding
+    # (G = 4 query rows per KV head filled 4 of a dot's 16 rows).
+    kvh = tl.program_id(0) * HP  # the first of this program's KV heads
     b = tl.program_id(1)
     split = tl.program_id(2)
     # Host-written inputs (lengths, block tables) and pages of earlier steps: no
@@ -264,6 +316,8 @@ def _decode_kernel(
     # With NEW_TOKEN, no kernel of this step has written the pages read here, so the
     # first tile is loaded before pdl_wait: with PDL it arrives while the kernel
     # before this one finishes. (Without, that kernel stored the newest K/V.)
+    W: tl.constexpr = HP * D  # the K/V row a program reads per token
+    tl.static_assert(HP == 1 or not NEW_TOKEN)
     if NEW_TOKEN:
         k, v, n_mask = _load_kv_tile(
             bt_row, k_head, v_head, start, paged_end, strides, BS, BLOCK_N, D
@@ -272,14 +326,21 @@ def _decode_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
-    g_mask = offs_g < G
-    heads = kvh * G + offs_g  # (BLOCK_G,) query heads of this KV head
+    offs_w = tl.arange(0, W)
+    g_mask = offs_g < HP * G
+    heads = kvh * G + offs_g  # (BLOCK_G,) query heads of this program's KV heads
+    # (BLOCK_G, W): which of row r's columns are its own KV head's
+    own = (offs_w // D)[None, :] == (offs_g // G)[:, None]
     q_rows = b.to(tl.int64) * stride_qb + heads * stride_qh
     if NEW_TOKEN:
         cs_row = cos_sin_ptr + tl.load(positions_ptr + b).to(tl.int64) * stride_cs
         q = _rotated(q_ptr, q_rows, g_mask, cs_row, D)  # (BLOCK_G, D)
     else:
-        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+        q = tl.load(  # (BLOCK_G, W), zeros outside each row's own columns
+            q_ptr + q_rows[:, None] + (offs_w % D)[None, :],
+            mask=g_mask[:, None] & own,
+            other=0.0,
+        )
     if FP16_DOTS:
         # float8 pages under a 16-bit q: the dots run in float16, to which e4m3
         # widens in one hardware instruction (to bf16 it takes several, and the
@@ -292,14 +353,14 @@ def _decode_kernel(
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, W], dtype=tl.float32)
     first = start
     if NEW_TOKEN:  # the tile loaded before the wait
         if start < paged_end:
             m_i, l_i, acc = _fold_tile(q, k, v, n_mask, m_i, l_i, acc, s_scale, PREC)
         first = start + BLOCK_N
     for n0 in range(first, paged_end, BLOCK_N):
-        k, v, n_mask = _load_kv_tile(bt_row, k_head, v_head, n0, paged_end, strides, BS, BLOCK_N, D)
+        k, v, n_mask = _load_kv_tile(bt_row, k_head, v_head, n0, paged_end, strides, BS, BLOCK_N, W)
         m_i, l_i, acc = _fold_tile(q, k, v, n_mask, m_i, l_i, acc, s_scale, PREC)
 
     if NEW_TOKEN:
@@ -334,15 +395,18 @@ def _decode_kernel(
     # zeros and an lse of -inf so it weighs nothing in the reduction.
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    # Each row stores its own KV head's D columns of o (all of them when HP == 1).
+    o_mask = g_mask[:, None] & own
     if SPLIT:
-        bh = b.to(tl.int64) * (G * tl.num_programs(0)) + heads  # flat (b, h) index
+        bh = b.to(tl.int64) * (G * HP * tl.num_programs(0)) + heads  # flat (b, h) index
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(part_lse_ptr + bh * num_splits + split, lse, mask=g_mask)
-        o_ptrs = part_o_ptr + ((bh * num_splits + split) * D)[:, None] + offs_d[None, :]
-        tl.store(o_ptrs, o, mask=g_mask[:, None])
+        o_ptrs = part_o_ptr + ((bh * num_splits + split) * D)[:, None] + (offs_w % D)[None, :]
+        tl.store(o_ptrs, o, mask=o_mask)
     else:
-        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        o_rows = b.to(tl.int64) * stride_ob + heads * stride_oh
+        o_ptrs = out_ptr + o_rows[:, None] + (offs_w % D)[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit
@@ -399,6 +463,7 @@ def decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    heads_per_program: int | None = None,
 ) -> torch.Tensor:
     """Paged decode attention; see `reference.decode_attention`. Returns (B, H, D).
 
@@ -414,7 +479,13 @@ def decode_attention(
     float16 for a 16-bit q (q scaled and rounded to float16's 11 bits: finer
     than bf16's 8) and in q's dtype for float32.
     """
-    tiles = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    tiles = dict(
+        num_splits=num_splits,
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        heads_per_program=heads_per_program,
+    )
     return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, None, **tiles)
 
 
@@ -469,6 +540,7 @@ def _decode(
     block_n=None,
     num_warps=None,
     num_stages=None,
+    heads_per_program=None,
 ):
     """Both decode entry points: `new` = (k, v, positions, cos_sin_cache,
     slot_mapping) of this step's tokens, or None when they are in the cache already."""
@@ -479,12 +551,28 @@ def _decode(
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
+    sms = _num_sms(q.device)
+    hp = heads_per_program or (
+        1
+        if new is not None
+        else _heads_per_program(batch, group, num_kv_heads, head_dim, k_cache.dtype, sms)
+    )
+    if hp > 1:
+        if new is not None:
+            raise ValueError("rope_store_decode_attention takes one KV head per program")
+        if num_kv_heads % hp or hp & (hp - 1):
+            raise ValueError(
+                f"{hp} KV heads per program: must be a power of two dividing {num_kv_heads}"
+            )
+        if k_cache.stride(2) != head_dim or v_cache.stride(2) != head_dim:
+            hp = 1  # the heads of a cache row are not contiguous: one at a time
+    programs = num_kv_heads // hp
     if num_splits is None:
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
-        num_splits = num_decode_splits(batch, num_kv_heads, bound, _num_sms(q.device))
+        num_splits = num_decode_splits(batch, programs, bound, sms)
     split = num_splits > 1
     pdl = use_pdl(q)
-    tile = _decode_tile(head_dim, k_cache.dtype)
+    tile = _decode_tile(hp * head_dim, k_cache.dtype)
     block_n, num_warps, num_stages = (
         given or default for given, default in zip((block_n, num_warps, num_stages), tile)
     )
@@ -498,7 +586,7 @@ def _decode(
     new_k, new_v, positions, cos_sin, slots = (
         new if new is not None else (q, q, seq_lens, q, seq_lens)
     )
-    _decode_kernel[(num_kv_heads, batch, num_splits)](
+    _decode_kernel[(programs, batch, num_splits)](
         q,
         k_cache,
         v_cache,
@@ -531,7 +619,7 @@ def _decode(
         new_v.stride(1),
         cos_sin.stride(0),
         G=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_G=max(16, triton.next_power_of_2(hp * group)),
         D=head_dim,
         BS=block_size,
         BLOCK_N=block_n,
@@ -541,6 +629,7 @@ def _decode(
         NEW_TOKEN=new is not None,
         CACHE_MAX=cache_max(k_cache),
         PDL=pdl,
+        HP=hp,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
