@@ -10,9 +10,15 @@ pages, replayed; time per call = graph time / layers. GB/s counts the K and V
 bytes of every context once (what a call must read); the ceiling is the
 4.28 TB/s copy rate. A tile is (KV heads per program, BLOCK_N, num_warps,
 num_stages); a tile that does not fit is skipped. --long leaves out the
-batch-1 cases.
+batch-1 cases. --heads times only the engine's tile rule at 1, 2 and 4 KV
+heads per program. --ragged gives the sequences of a case lengths spread
+evenly over context +- 450 tokens (as the throughput workload's prompts of
+100-1,024 tokens spread them) and each sequence its own run of pages, as the
+engine's steps have them, instead of one length and pages shuffled over the
+whole cache.
 
-    PYTHONPATH=src python3 scripts/bench_decode_attention.py [--quick] [--long] [--json PATH]
+    PYTHONPATH=src python3 scripts/bench_decode_attention.py [--quick | --heads] [--long]
+        [--ragged] [--json PATH]
 
 Prints a table per case and one JSON line last. With --fused, instead: a
 decode step's RoPE + K/V store + attention as two kernels (rope_and_store,
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import random
 
 import torch
 from graph_timing import replay_us
@@ -43,15 +50,28 @@ CASES = [(256, 790, 790), (64, 2048, 2048), (1, 640, 640), (1, 640, 8192)]
 FP8 = torch.float8_e4m3fn
 
 
-def make_layers(batch, ctx, hkv, d, layers):
-    """Random bf16 pages for each layer, and one shuffled block table for all."""
+def make_layers(batch, ctx, hkv, d, layers, ragged=False):
+    """Random bf16 pages for each layer, and one block table for all: shuffled,
+    or with ragged=True each sequence's pages in a run of its own."""
     pages = -(-ctx // BS)
     caches = []
     for _ in range(layers):
         k = torch.randn(batch * pages, BS, hkv, d, device="cuda", dtype=torch.bfloat16)
         caches.append((k, torch.randn_like(k)))
-    tables = torch.randperm(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
+    order = torch.arange if ragged else torch.randperm
+    tables = order(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
     return caches, tables
+
+
+def context_lengths(batch: int, ctx: int, ragged: bool) -> list[int]:
+    """ctx for every sequence, or (ragged) lengths spread evenly over ctx +- 450,
+    in a shuffled order (a batch's requests are not sorted by length)."""
+    if not ragged or batch == 1:
+        return [ctx] * batch
+    lo, hi = max(1, ctx - 450), ctx + 450
+    lens = [lo + (hi - lo) * i // (batch - 1) for i in range(batch)]
+    random.Random(0).shuffle(lens)
+    return lens
 
 
 def graph_us(fn, layers: int, replays: int = 10) -> float:
@@ -68,16 +88,18 @@ def tile_grid() -> dict[torch.dtype, list[tuple[int, int, int, int]]]:
     return {torch.bfloat16: bf16, FP8: fp8}
 
 
-def run_case(shape, batch, ctx, bound, grid) -> list[dict]:
+def run_case(shape, batch, ctx, bound, grid, ragged=False) -> list[dict]:
     name, h, hkv, d, layers = shape
     q = torch.randn(batch, h, d, device="cuda", dtype=torch.bfloat16)
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    bf16_caches, tables = make_layers(batch, ctx, hkv, d, layers)
+    lens = context_lengths(batch, ctx, ragged)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    bound = max(bound, max(lens))
+    bf16_caches, tables = make_layers(batch, max(lens), hkv, d, layers, ragged)
     want = ta.decode_attention(q, *bf16_caches[0], tables, seq_lens, d**-0.5, max_seq_len=bound)
     rows = []
     for dtype in (torch.bfloat16, FP8):
         caches = [(k.to(dtype), v.to(dtype)) for k, v in bf16_caches]
-        nbytes = 2 * batch * ctx * hkv * d * dtype.itemsize
+        nbytes = 2 * sum(lens) * hkv * d * dtype.itemsize
         for cfg in [None, *grid.get(dtype, [])]:
             names = ("heads_per_program", "block_n", "num_warps", "num_stages")
             kw = {} if cfg is None else dict(zip(names, cfg))
@@ -164,6 +186,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the default tiles only")
     ap.add_argument("--json", help="write the rows here too")
     ap.add_argument("--long", action="store_true", help="leave out the batch-1 cases")
+    ap.add_argument("--heads", action="store_true", help="the tile rule at 1, 2, 4 heads only")
+    ap.add_argument("--ragged", action="store_true", help="ragged lengths, pages in runs")
     ap.add_argument("--fused", action="store_true", help="two kernels against one (see above)")
     args = ap.parse_args()
     if args.fused:
@@ -171,12 +195,14 @@ def main() -> None:
         print(json.dumps({"rope_store_decode_attention": rows}))
         return
     grid = {} if args.quick else tile_grid()
+    if args.heads:
+        grid = {dt: [(hp, None, None, None) for hp in (1, 2, 4)] for dt in (torch.bfloat16, FP8)}
     rows, summary = [], []
     for shape in SHAPES:
         for batch, ctx, bound in CASES:
             if args.long and batch == 1:
                 continue
-            case = run_case(shape, batch, ctx, bound, grid)
+            case = run_case(shape, batch, ctx, bound, grid, args.ragged)
             best = {}
             for dt in ("bfloat16", "float8_e4m3fn"):
                 mine = [r for r in case if r["dtype"] == dt]
