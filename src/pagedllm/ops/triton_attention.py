@@ -469,11 +469,13 @@ def decode_attention(
 
     One program per (sequence, KV head, split) computes all G = H/Hkv query
     heads of that KV head with one (G padded to 16) x D by D x BLOCK_N dot per
-    tile. `max_seq_len` (host int, optional) bounds every seq_len and only
-    steers how many splits to use; without it the block-table width does.
-    `num_splits` forces the split count (tests); `block_n`, `num_warps` and
-    `num_stages` override the tile choice (scripts/bench_decode_attention.py
-    sweeps them). Nothing here reads a device value on the host, so the call
+    tile; with `heads_per_program` HP > 1 (the rule's choice for float8 pages
+    at D=64 and large batches) a program takes HP neighbouring KV heads, their
+    HP * G query rows in one block-diagonal dot. `max_seq_len` (host int,
+    optional) bounds every seq_len and only steers how many splits to use;
+    without it the block-table width does. `num_splits` forces the split count
+    (tests); `block_n`, `num_warps`, `num_stages` and `heads_per_program`
+    override the tile choice (scripts/bench_decode_attention.py sweeps them). Nothing here reads a device value on the host, so the call
     can be captured in a CUDA graph. The caches may be float8 (e4m3) while q is
     bf16/fp16/fp32: each tile is widened exactly before its dots, which run in
     float16 for a 16-bit q (q scaled and rounded to float16's 11 bits: finer
