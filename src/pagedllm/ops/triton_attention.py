@@ -48,11 +48,11 @@ DECODE_TILE_BYTES = 16384
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
 # float8 pages: 8 KB tiles (64 tokens at D=128), 2 warps, 5 stages. Triton's
-# pipeliner gives this loop (a block-table load, then the K/V loads that depend on it) one shared
-# buffer per tile up to num_stages=4: the next tile's copy is issued only after
-# the current tile's math, so every tile pays the full memory latency. At 5 stages
-# it keeps two buffers and the copy of tile n+1 overlaps the math of tile n. The
-# 16-bit tiles carry twice the bytes per wait and hide it anyway; float8 tiles did
+# pipeliner gives this loop (a block-table load, then the K/V loads that depend on
+# it) one shared buffer per tile up to num_stages=4: the next tile's copy is issued
+# only after the current tile's math, so every tile pays the full memory latency.
+# At 5 stages it keeps two buffers and the copy of tile n+1 overlaps the math of
+# tile n. The 16-bit tiles carry twice the bytes per wait and hide it anyway; float8 tiles did
 # not (1.7-2.4 TB/s of useful reads at 128 tokens, 4 warps, 3 stages). With the
 # fewer warps, each program's cross-warp max/sum and the P relayout cost less too.
 # Measured (scripts/bench_decode_attention.py, batch 256 x 790 and 64 x 2,048):
@@ -475,11 +475,12 @@ def decode_attention(
     optional) bounds every seq_len and only steers how many splits to use;
     without it the block-table width does. `num_splits` forces the split count
     (tests); `block_n`, `num_warps`, `num_stages` and `heads_per_program`
-    override the tile choice (scripts/bench_decode_attention.py sweeps them). Nothing here reads a device value on the host, so the call
-    can be captured in a CUDA graph. The caches may be float8 (e4m3) while q is
-    bf16/fp16/fp32: each tile is widened exactly before its dots, which run in
-    float16 for a 16-bit q (q scaled and rounded to float16's 11 bits: finer
-    than bf16's 8) and in q's dtype for float32.
+    override the tile choice (scripts/bench_decode_attention.py sweeps them).
+    Nothing here reads a device value on the host, so the call can be captured
+    in a CUDA graph. The caches may be float8 (e4m3) while q is bf16/fp16/fp32:
+    each tile is widened exactly before its dots, which run in float16 for a
+    16-bit q (q scaled and rounded to float16's 11 bits: finer than bf16's 8)
+    and in q's dtype for float32.
     """
     tiles = dict(
         num_splits=num_splits,
