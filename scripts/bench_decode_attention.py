@@ -50,27 +50,30 @@ CASES = [(256, 790, 790), (64, 2048, 2048), (1, 640, 640), (1, 640, 8192)]
 FP8 = torch.float8_e4m3fn
 
 
-def make_layers(batch, ctx, hkv, d, layers, ragged=False):
+def make_layers(batch, ctx, hkv, d, layers, runs=False):
     """Random bf16 pages for each layer, and one block table for all: shuffled,
-    or with ragged=True each sequence's pages in a run of its own."""
+    or with runs=True each sequence's pages in a run of its own."""
     pages = -(-ctx // BS)
     caches = []
     for _ in range(layers):
         k = torch.randn(batch * pages, BS, hkv, d, device="cuda", dtype=torch.bfloat16)
         caches.append((k, torch.randn_like(k)))
-    order = torch.arange if ragged else torch.randperm
+    order = torch.arange if runs else torch.randperm
     tables = order(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
     return caches, tables
 
 
-def context_lengths(batch: int, ctx: int, ragged: bool) -> list[int]:
+def context_lengths(batch: int, ctx: int, ragged: bool, order: str = "shuffled") -> list[int]:
     """ctx for every sequence, or (ragged) lengths spread evenly over ctx +- 450,
-    in a shuffled order (a batch's requests are not sorted by length)."""
+    in a shuffled order (a batch's requests are not sorted by length), or
+    longest first (order="desc") or shortest first ("asc")."""
     if not ragged or batch == 1:
         return [ctx] * batch
     lo, hi = max(1, ctx - 450), ctx + 450
     lens = [lo + (hi - lo) * i // (batch - 1) for i in range(batch)]
     random.Random(0).shuffle(lens)
+    if order in ("desc", "asc"):
+        lens.sort(reverse=order == "desc")
     return lens
 
 
@@ -88,13 +91,18 @@ def tile_grid() -> dict[torch.dtype, list[tuple[int, int, int, int]]]:
     return {torch.bfloat16: bf16, FP8: fp8}
 
 
-def run_case(shape, batch, ctx, bound, grid, ragged=False) -> list[dict]:
+def run_case(shape, batch, ctx, bound, grid, ragged=False, runs=None, order="shuffled"):
+    """Rows for one case; runs (pages of a sequence in a run) defaults to ragged."""
     name, h, hkv, d, layers = shape
     q = torch.randn(batch, h, d, device="cuda", dtype=torch.bfloat16)
-    lens = context_lengths(batch, ctx, ragged)
+    lens = context_lengths(batch, ctx, ragged, order)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     bound = max(bound, max(lens))
-    bf16_caches, tables = make_layers(batch, max(lens), hkv, d, layers, ragged)
+    runs = ragged if runs is None else runs
+    # "indirect": shuffled lengths, the kernel told to take them longest first
+    by_len = torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
+    extra = {"order": by_len} if order == "indirect" else {}
+    bf16_caches, tables = make_layers(batch, max(lens), hkv, d, layers, runs)
     want = ta.decode_attention(q, *bf16_caches[0], tables, seq_lens, d**-0.5, max_seq_len=bound)
     rows = []
     for dtype in (torch.bfloat16, FP8):
@@ -106,7 +114,7 @@ def run_case(shape, batch, ctx, bound, grid, ragged=False) -> list[dict]:
 
             def fn(i, kw=kw, caches=caches):
                 return ta.decode_attention(
-                    q, *caches[i], tables, seq_lens, d**-0.5, max_seq_len=bound, **kw
+                    q, *caches[i], tables, seq_lens, d**-0.5, max_seq_len=bound, **kw, **extra
                 )
 
             try:
@@ -188,6 +196,15 @@ def main() -> None:
     ap.add_argument("--long", action="store_true", help="leave out the batch-1 cases")
     ap.add_argument("--heads", action="store_true", help="the tile rule at 1, 2, 4 heads only")
     ap.add_argument("--ragged", action="store_true", help="ragged lengths, pages in runs")
+    ap.add_argument(
+        "--pages", choices=("shuffled", "runs"), help="page placement (default: runs if --ragged)"
+    )
+    ap.add_argument(
+        "--order",
+        choices=("shuffled", "desc", "asc", "indirect"),
+        default="shuffled",
+        help="--ragged: the sequences' order by length",
+    )
     ap.add_argument("--fused", action="store_true", help="two kernels against one (see above)")
     args = ap.parse_args()
     if args.fused:
@@ -202,7 +219,8 @@ def main() -> None:
         for batch, ctx, bound in CASES:
             if args.long and batch == 1:
                 continue
-            case = run_case(shape, batch, ctx, bound, grid, args.ragged)
+            runs = None if args.pages is None else args.pages == "runs"
+            case = run_case(shape, batch, ctx, bound, grid, args.ragged, runs, args.order)
             best = {}
             for dt in ("bfloat16", "float8_e4m3fn"):
                 mine = [r for r in case if r["dtype"] == dt]

@@ -188,6 +188,53 @@ def test_a_long_prompt_does_not_stall_the_others_next_tokens(tiny):
     assert_clean(llm)
 
 
+def test_decode_attention_takes_the_rows_longest_first(tiny, monkeypatch):
+    """The runner orders each step's rows longest context first (a mixed step's
+    decode rows among themselves first, then its prompts), and the model hands
+    that order to decode attention with the rows it takes."""
+    from pagedllm.ops import reference
+
+    calls = []
+    real = reference.decode_attention
+
+    def spy(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=None, *, order=None):
+        calls.append((seq_lens.tolist(), None if order is None else order.tolist()))
+        return real(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, order=order)
+
+    monkeypatch.setattr(reference, "decode_attention", spy)
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 17, 90, 2)]
+    llm = LLM(model=tiny, kv_cache_mib=4, max_num_batched_tokens=32, max_num_seqs=8)
+    hosts = []
+    prepare = llm.engine.runner.prepare
+
+    def recording_prepare(*args):
+        hosts.append(prepare(*args))
+        return hosts[-1]
+
+    monkeypatch.setattr(llm.engine.runner, "prepare", recording_prepare)
+    llm.generate(prompts, [greedy(n) for n in (9, 4, 12, 6, 15)], use_tqdm=False)
+    kinds, orders = set(), set()
+    for host in hosts:
+        b = host.num_seqs
+        if b < 2:
+            assert host.decode_order is None
+            continue
+        d = b if host.is_decode else host.num_decode_seqs
+        kinds.add("decode" if host.is_decode else "mixed" if d else "prompts")
+        order, lens = host.decode_order.tolist(), host.seq_lens.tolist()
+        assert sorted(order[:d]) == list(range(d)) and sorted(order[d:]) == list(range(d, b))
+        for part in (order[:d], order[d:]):
+            assert [lens[i] for i in part] == sorted((lens[i] for i in part), reverse=True)
+        orders |= {tuple(order), tuple(order[:d])}
+    assert kinds == {"decode", "mixed", "prompts"}
+    # The model passes each step's order on (a mixed step's decode rows: its first
+    # part); only a call of one row goes without.
+    assert any(order != sorted(order) for _, order in calls if order)
+    for lens, order in calls:
+        assert tuple(order) in orders if len(lens) > 1 else order in (None, [0])
+    assert_clean(llm)
+
+
 def test_requests_admitted_together_share_a_new_prefix(tiny):
     llm = LLM(model=tiny, kv_cache_mib=4)
     prefix = list(range(10, 74))  # four pages of 16

@@ -359,6 +359,33 @@ def test_decode_attention_heads_per_program(
     assert rel_err(out, want) < 1e-5
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize(("heads_per_program", "cache_dtype"), [(1, torch.float32), (2, FP8)])
+def test_decode_attention_order(gen, num_splits, heads_per_program, cache_dtype):
+    """`order` only changes which grid row takes which sequence: the output is
+    the same, bit for bit, including a padding row (seq_len 0) taken last."""
+    lens = [*DECODE_LENS, 0]
+    k_cache, v_cache, block_tables = paged_cache(lens, 4, 64, gen=gen)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    q = torch.randn(len(lens), 8, 64, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    order = torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
+    assert order.tolist() != list(range(len(lens)))
+    kw = dict(num_splits=num_splits, heads_per_program=heads_per_program, block_n=32)
+    plain = tri.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125, **kw)
+    ordered = tri.decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, 0.125, order=order, **kw
+    )
+    assert torch.equal(ordered, plain)
+    want = ref.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125, order=order)
+    assert rel_err(ordered, want) < 1e-5
+    for impl in (tri, ref):
+        with pytest.raises(ValueError, match="order has shape"):
+            impl.decode_attention(
+                q, k_cache, v_cache, block_tables, seq_lens, 0.125, order=order[:-1]
+            )
+
+
 def test_heads_per_program_rule():
     hpp = triton_attention._heads_per_program
     bf16, f8 = torch.bfloat16, FP8

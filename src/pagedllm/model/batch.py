@@ -34,6 +34,11 @@ class ForwardBatch:
     # The last layer computes every row, not only the logits rows (see
     # `LlamaModel._layers`; a trace sets it: every tensor-parallel rank must agree).
     every_row: bool = False
+    # (B,) int32: the rows longest context first, a mixed step's first
+    # num_decode_seqs rows (its decode rows) among themselves, then the others.
+    # Decode attention starts its programs in this order (None: row order;
+    # batch 1 has none).
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -195,6 +195,7 @@ class LlamaModel:
                         batch.seq_lens,
                         self.scale,
                         max_seq_len=batch.max_seq_len,
+                        order=batch.decode_order,
                     )  # (B, H, D)
                     residual = residual[idx]
                     num_tokens, gathered = len(idx), True
@@ -262,6 +263,7 @@ class LlamaModel:
                 batch.seq_lens,
                 self.scale,
                 max_seq_len=batch.max_seq_len,
+                order=batch.decode_order,
             )
         # A mixed step: its first d sequences have one new token each. The prefill
         # kernel would pad each of those rows to a 64-query tile per head; decode
@@ -290,6 +292,7 @@ class LlamaModel:
                 batch.seq_lens[:d],
                 self.scale,
                 max_seq_len=batch.max_seq_len,
+                order=None if batch.decode_order is None else batch.decode_order[:d],
             )
         return out
 

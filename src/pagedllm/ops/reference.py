@@ -259,6 +259,8 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     max_seq_len: int | None = None,
+    *,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence attends to its whole context, read page by page.
 
@@ -268,7 +270,13 @@ def decode_attention(
     rescale them as each page arrives, so no (H, seq_len) score row is ever
     held. Returns (B, H, D). `max_seq_len`, when given, is the longest seq_len
     (a host-side int, so no device sync is needed to size the loop).
+    `order` (B,) int32, when given, is a permutation of 0..B-1: the order in
+    which a parallel implementation should start the sequences (the runner
+    passes them longest context first, so a ragged batch's long ones do not
+    start last). It never changes the result; here it is only checked.
     """
+    if order is not None and order.shape != seq_lens.shape:
+        raise ValueError(f"order has shape {tuple(order.shape)}; seq_lens {tuple(seq_lens.shape)}")
     batch, num_heads, head_dim = q.shape
     bs, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads

@@ -243,6 +243,7 @@ def _decode_kernel(
     positions_ptr,  # NEW_TOKEN: (B,)
     cos_sin_ptr,  # NEW_TOKEN: (P, D) float32 [cos | sin]
     slot_mapping_ptr,  # NEW_TOKEN: (B,); a slot < 0 stores nothing (graph padding)
+    order_ptr,  # ORDERED: (B,) the sequence each grid row takes (longest first)
     qk_scale,  # scale * log2(e)
     num_splits,
     stride_qb,
@@ -273,6 +274,7 @@ def _decode_kernel(
     CACHE_MAX: tl.constexpr,  # float8 caches: the clamp of to_cache
     PDL: tl.constexpr,  # a programmatic dependent launch (ops/triton_pdl.py)
     HP: tl.constexpr = 1,  # KV heads per program (neighbours in the cache row)
+    ORDERED: tl.constexpr = False,  # grid row i takes sequence order[i]
 ):
     pdl_start(PDL)
     # Grid (Hkv / HP, B, S): the KV heads of one sequence are neighbouring programs,
@@ -289,7 +291,11 @@ def _decode_kernel(
     # dots do HP times the multiply-adds of one head's, on rows that were padding
     # (G = 4 query rows per KV head filled 4 of a dot's 16 rows).
     kvh = tl.program_id(0) * HP  # the first of this program's KV heads
-    b = tl.program_id(1)
+    # The GPU starts programs in grid order. With ORDERED, grid row i takes the
+    # sequence order[i] (the host sorts them longest first), so the longest
+    # contexts start first and the last wave is short ones: ragged batches end
+    # together instead of waiting on a long sequence started late.
+    b = tl.load(order_ptr + tl.program_id(1)) if ORDERED else tl.program_id(1)
     split = tl.program_id(2)
     # Host-written inputs (lengths, block tables) and pages of earlier steps: no
     # kernel of this step writes them, so they may be read before pdl_wait.
@@ -459,6 +465,7 @@ def decode_attention(
     scale: float,
     max_seq_len: int | None = None,
     *,
+    order: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -476,6 +483,10 @@ def decode_attention(
     without it the block-table width does. `num_splits` forces the split count
     (tests); `block_n`, `num_warps`, `num_stages` and `heads_per_program`
     override the tile choice (scripts/bench_decode_attention.py sweeps them).
+    `order` (B,) int32, a permutation of 0..B-1: grid row i takes sequence
+    order[i]; the GPU starts programs in grid order, so the runner passes the
+    rows longest context first (a ragged batch's long sequences do not start
+    in the last wave).
     Nothing here reads a device value on the host, so the call can be captured
     in a CUDA graph. The caches may be float8 (e4m3) while q is bf16/fp16/fp32:
     each tile is widened exactly before its dots, which run in float16 for a
@@ -488,6 +499,7 @@ def decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
         heads_per_program=heads_per_program,
+        order=order,
     )
     return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, None, **tiles)
 
@@ -544,6 +556,7 @@ def _decode(
     num_warps=None,
     num_stages=None,
     heads_per_program=None,
+    order=None,
 ):
     """Both decode entry points: `new` = (k, v, positions, cos_sin_cache,
     slot_mapping) of this step's tokens, or None when they are in the cache already."""
@@ -554,6 +567,8 @@ def _decode(
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
+    if order is not None and order.shape != (batch,):
+        raise ValueError(f"order has shape {tuple(order.shape)}; want ({batch},)")
     sms = _num_sms(q.device)
     hp = heads_per_program or (
         1
@@ -603,6 +618,7 @@ def _decode(
         positions,
         cos_sin,
         slots,
+        order if order is not None else seq_lens,
         scale * LOG2E,
         num_splits,
         q.stride(0),
@@ -633,6 +649,7 @@ def _decode(
         CACHE_MAX=cache_max(k_cache),
         PDL=pdl,
         HP=hp,
+        ORDERED=order is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,

@@ -34,6 +34,9 @@ class HostBatch:
     # The last layer computes every row, not only the logits rows (a trace
     # records them all; set here so that every tensor-parallel rank agrees).
     every_row: bool = False
+    # (B,) int32: the rows longest context first (see ForwardBatch); None for
+    # one row.
+    decode_order: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from pagedllm.model.batch import ForwardBatch
@@ -108,14 +109,17 @@ class DecodeGraphs:
         width = host_tables.shape[1]
         n = self.max_bs
         # Device buffers the graphs read (their addresses are baked into the graphs).
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        # [seq_lens | decode order]: one buffer, one copy per step.
+        self.d_int = torch.zeros((2, n), dtype=torch.int32, device=dev)
+        self.seq_lens, self.order = self.d_int[0], self.d_int[1]
         self.block_tables = torch.zeros((n, width), dtype=torch.int32, device=dev)
         self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.logits_indices = torch.arange(n, dtype=torch.long, device=dev)
-        # Pinned host staging: [ids | positions | slots] as int64, [seq_lens] int32.
-        # (Block-table rows are copied straight from the runner's pinned mirror.)
+        # Pinned host staging: [ids | positions | slots] as int64, [seq_lens | order]
+        # int32. (Block-table rows are copied straight from the runner's pinned mirror.)
         self.h_long = torch.zeros((3, n), dtype=torch.long).pin_memory()
-        self.h_int = torch.zeros(n, dtype=torch.int32).pin_memory()
+        self.h_int = torch.zeros((2, n), dtype=torch.int32).pin_memory()
+        self.arange = np.arange(n, dtype=np.int32)
         self.d_long = torch.zeros((3, n), dtype=torch.long, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -134,6 +138,7 @@ class DecodeGraphs:
             max_q_len=1,
             # The graph must be valid for any context up to the longest allowed.
             max_seq_len=self.max_model_len,
+            decode_order=self.order[:b] if b > 1 else None,
         )
 
     @torch.inference_mode()
@@ -141,6 +146,7 @@ class DecodeGraphs:
         kv = self.kv_caches
         self.d_long[2].fill_(-1)  # padding: store nothing
         self.seq_lens.fill_(1)
+        self.order.copy_(torch.from_numpy(self.arange))
         self.graphs, self.outputs = capture_graphs(
             self.buckets, lambda b: model.compute_logits(model.forward(self._batch(b), kv))
         )
@@ -173,11 +179,18 @@ class DecodeGraphs:
         h[1, :b] = host.positions
         h[2, :b] = host.slot_mapping
         h[2, b:bucket] = -1
-        hi[:b] = host.seq_lens
-        hi[b:bucket] = 0
-        # Whole buffers (6 KB): a contiguous pinned source keeps the copies asynchronous.
+        hi[0, :b] = host.seq_lens
+        hi[0, b:bucket] = 0
+        # The graph's decode attention takes rows in this order: the batch's longest
+        # first, then the padding rows (a permutation of the whole bucket).
+        if host.decode_order is not None:
+            hi[1, :b] = host.decode_order
+        else:
+            hi[1, :b] = self.arange[:b]
+        hi[1, b:bucket] = self.arange[b:bucket]
+        # Whole buffers (8 KB): a contiguous pinned source keeps the copies asynchronous.
         self.d_long.copy_(self.h_long, non_blocking=True)
-        self.seq_lens.copy_(self.h_int, non_blocking=True)
+        self.d_int.copy_(self.h_int, non_blocking=True)
         # This batch's rows among them; a row past the batch stays dirty until a
         # graph step uses it.
         send = [i for i in dirty_rows if i < b]

@@ -356,6 +356,15 @@ class ModelRunner:
         # (this row stride) on divisibility by 16, and a width that changes that
         # from step to step recompiles the prefill kernel (~0.5 s each time).
         width = min(-(-longest // 16) * 16, host_tables.shape[1])
+        # Decode attention takes its rows longest context first (see ForwardBatch).
+        decode_order = None
+        if num_seqs > 1:
+            d = num_seqs if decode else num_decode_seqs
+            neg = -seq_lens
+            decode_order = np.argsort(neg[:d], kind="stable").astype(np.int32)
+            if d < num_seqs:
+                rest = np.argsort(neg[d:], kind="stable").astype(np.int32) + d
+                decode_order = np.concatenate((decode_order, rest))
         if all_logits_rows:
             logits_indices = _logits_indices(cu_seqlens, all_logits_rows)
         elif decode:
@@ -374,6 +383,7 @@ class ModelRunner:
             max_q_len=max_q_len,
             max_seq_len=int(seq_lens.max()),
             num_decode_seqs=num_decode_seqs,
+            decode_order=decode_order,
         )
 
     def _index(self, rows) -> torch.Tensor:
@@ -402,6 +412,7 @@ class ModelRunner:
             max_seq_len=host.max_seq_len,
             num_decode_seqs=host.num_decode_seqs,
             every_row=host.every_row,
+            decode_order=None if host.decode_order is None else dev(host.decode_order, torch.int32),
         )
 
     # ------------------------------------------------------------------
