@@ -15,10 +15,13 @@ heads per program. --ragged gives the sequences of a case lengths spread
 evenly over context +- 450 tokens (as the throughput workload's prompts of
 100-1,024 tokens spread them) and each sequence its own run of pages, as the
 engine's steps have them, instead of one length and pages shuffled over the
-whole cache.
+whole cache. --pages sets the placement apart from the lengths; --order sets
+the ragged lengths' order: shuffled, desc (longest first), asc, or indirect
+(shuffled, with the kernel's `order` input starting the longest first, as
+the engine does).
 
     PYTHONPATH=src python3 scripts/bench_decode_attention.py [--quick | --heads] [--long]
-        [--ragged] [--json PATH]
+        [--ragged] [--pages runs|shuffled] [--order shuffled|desc|asc|indirect] [--json PATH]
 
 Prints a table per case and one JSON line last. With --fused, instead: a
 decode step's RoPE + K/V store + attention as two kernels (rope_and_store,
