@@ -410,3 +410,57 @@ def test_max_num_seqs_has_a_ceiling():
     assert EngineConfig(max_num_seqs=65535, max_num_batched_tokens=65535).max_num_seqs == 65535
     with pytest.raises(ValueError, match="max_num_seqs must be <= 65,535"):
         EngineConfig(max_num_seqs=65536, max_num_batched_tokens=65536)
+
+
+def test_generate_keeps_the_gc_frozen_only_while_it_steps(tiny):
+    """`generate` keeps the objects alive before it out of full collections while
+    it steps (`utils.gc_frozen`), and hands the collector back as it found it:
+    after a normal return, after an error, and with the caller's own freeze."""
+    import gc
+    import weakref
+
+    from pagedllm.utils import gc_frozen
+
+    assert gc.get_freeze_count() == 0
+    llm = LLM(model=tiny, kv_cache_mib=2)
+    seen, garbage = [], []
+
+    class Cycle:
+        pass
+
+    def on_step(_outputs):
+        seen.append(gc.get_freeze_count())
+        c = Cycle()
+        c.me = c  # cyclic garbage made inside the loop: collected as usual
+        garbage.append(weakref.ref(c))
+
+    llm.generate([PROMPTS[0]], greedy(3), use_tqdm=False, on_step=on_step)
+    assert seen and min(seen) > 0
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert all(w() is None for w in garbage)
+
+    def failing(_outputs):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate([PROMPTS[1]], greedy(3), use_tqdm=False, on_step=failing)
+    assert gc.get_freeze_count() == 0
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+    sentinel = [Cycle()]  # a tracked object, frozen by the caller below
+    gc.freeze()  # the caller manages the collector itself: left alone
+    try:
+        llm.generate([PROMPTS[2]], greedy(2), use_tqdm=False)
+        assert gc.get_freeze_count() > 0
+        assert not any(o is sentinel for o in gc.get_objects())  # still frozen
+    finally:
+        gc.unfreeze()
+    assert any(o is sentinel for o in gc.get_objects())
+
+    with gc_frozen():  # nested (or another thread's) loops: one freeze, one unfreeze
+        outer = gc.get_freeze_count()
+        with gc_frozen():
+            pass
+        assert gc.get_freeze_count() == outer > 0
+    assert gc.get_freeze_count() == 0

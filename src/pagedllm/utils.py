@@ -60,3 +60,44 @@ def deferred_interrupts() -> Iterator[None]:
                 previous(*pending[0])  # the default handler raises KeyboardInterrupt
             elif previous == signal.default_int_handler or previous == signal.SIG_DFL:
                 raise KeyboardInterrupt
+
+
+_gc_lock = threading.Lock()
+_gc_depth = 0  # engine loops running now, in any thread
+_gc_ours = False  # whether the freeze in force is this module's
+
+
+@contextmanager
+def gc_frozen() -> Iterator[None]:
+    """Keep the objects that exist now out of the garbage collector's scans
+    while the block (an engine's step loop) runs.
+
+    Why: a full (generation 2) collection walks every tracked object of the
+    process, and after `import torch` and a model load that is ~180,000 of
+    them: one such pass took 89 ms on the GPU machine, in the middle of a decode
+    step of 2.7 ms (a stall every few hundred steps, ~9 % of a 1B throughput
+    run). `gc.freeze()` moves every object alive now to a permanent generation
+    that collections skip; objects made inside the block are collected as
+    usual, and `gc.unfreeze()` at the end (when the last loop in the process
+    ends) puts the others back, so nothing that dies later stays uncollected.
+    Both calls are O(1). If the caller's process froze objects itself
+    (`gc.freeze()` before the block) it already manages this: nothing is
+    changed. Nested and concurrent blocks freeze once, unfreeze once.
+    """
+    import gc
+
+    global _gc_depth, _gc_ours
+    with _gc_lock:
+        if _gc_depth == 0:
+            _gc_ours = gc.get_freeze_count() == 0
+            if _gc_ours:
+                gc.freeze()
+        _gc_depth += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_depth -= 1
+            if _gc_depth == 0 and _gc_ours:
+                gc.unfreeze()
+                _gc_ours = False

@@ -37,7 +37,7 @@ from pagedllm.request import FinishReason, Request
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import RequestRejected
 from pagedllm.tokenizer import Tokenizer
-from pagedllm.utils import deferred_interrupts
+from pagedllm.utils import deferred_interrupts, gc_frozen
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -174,7 +174,8 @@ class LLM:
         use_tqdm: bool | None,
         on_step: Callable[[list[StepOutput]], None] | None,
     ) -> list[RequestOutput]:
-        with self._lock:
+        # gc_frozen: no full collection walks the process's objects between steps.
+        with self._lock, gc_frozen():
             return self._run_locked(texts, token_lists, params, use_tqdm, on_step)
 
     def _run_locked(

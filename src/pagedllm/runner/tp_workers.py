@@ -317,6 +317,7 @@ def _worker_loop(rank, size, port, setup: WorkerSetup, steps) -> None:
     from pagedllm.cpu_threads import apply_thread_policy
     from pagedllm.model import load_model
     from pagedllm.runner.model_runner import ModelRunner, free_device_bytes
+    from pagedllm.utils import gc_frozen
 
     apply_thread_policy(setup.threads)
     device = rank_device(setup.device_type, rank)
@@ -345,13 +346,14 @@ def _worker_loop(rank, size, port, setup: WorkerSetup, steps) -> None:
     if kind != "runner":
         raise RuntimeError(f"expected the runner's settings first, got {kind!r}")
     runner = ModelRunner(model, **kwargs)
-    while True:
-        kind, host = steps.recv()
-        if kind == "stop":
-            break
-        with torch.inference_mode():
-            batch = runner.forward_batch(host)
-            if kind == "step_fed":  # async scheduling: ids rank 0 sampled, on its device
-                batch.input_ids = tp.broadcast(torch.empty_like(batch.input_ids))
-            model.compute_logits(model.forward(batch, runner.kv_caches))
+    with gc_frozen():  # a full collection here would stall every rank's collectives
+        while True:
+            kind, host = steps.recv()
+            if kind == "stop":
+                break
+            with torch.inference_mode():
+                batch = runner.forward_batch(host)
+                if kind == "step_fed":  # async scheduling: ids rank 0 sampled, on its device
+                    batch.input_ids = tp.broadcast(torch.empty_like(batch.input_ids))
+                model.compute_logits(model.forward(batch, runner.kv_caches))
     dist.destroy_process_group()
