@@ -41,6 +41,17 @@ if settings is not None:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_engine_loop_outlives_its_module():
+    """Every test module stops the engine loops it started (a server's engine
+    thread above all): one left running keeps stepping, and keeps the process's
+    collector frozen (`utils.gc_frozen`), under every later module's tests."""
+    yield
+    from pagedllm import utils
+
+    assert utils._gc_depth == 0, "an engine loop started in this module still runs"
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     from pagedllm.resolve import default_model_path

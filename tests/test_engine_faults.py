@@ -419,9 +419,12 @@ def test_generate_keeps_the_gc_frozen_only_while_it_steps(tiny):
     import gc
     import weakref
 
+    from pagedllm import utils
     from pagedllm.utils import gc_frozen
 
-    assert gc.get_freeze_count() == 0
+    # Another engine loop still running (a server's engine thread that an earlier
+    # test left stepping) would hold the freeze, and nothing here could be seen.
+    assert utils._gc_depth == 0 and gc.get_freeze_count() == 0
     llm = LLM(model=tiny, kv_cache_mib=2)
     seen, garbage = [], []
 
@@ -464,3 +467,43 @@ def test_generate_keeps_the_gc_frozen_only_while_it_steps(tiny):
             pass
         assert gc.get_freeze_count() == outer > 0
     assert gc.get_freeze_count() == 0
+
+
+def test_free_gpu_memory_is_measured_after_dropped_engines_are_collected(monkeypatch):
+    """A new engine sizes its K/V cache from the free GPU memory. An engine its
+    user dropped may wait in a reference cycle (the first engine of a process
+    does: torch's import keeps the frames that imported it); it is collected, and
+    the allocator's cache emptied, before the free memory is read."""
+    import gc
+    import weakref
+
+    import torch
+
+    from pagedllm.runner.model_runner import free_device_bytes
+
+    class Dropped:
+        pass
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: seen.append("empty_cache"))
+
+    def mem_get_info(device):
+        seen.append(("collected", dropped() is None))
+        return 5 << 30, 8 << 30
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    was_enabled = gc.isenabled()
+    gc.disable()  # no automatic pass may collect it first
+    try:
+        cycle = Dropped()
+        cycle.me = cycle
+        dropped = weakref.ref(cycle)
+        del cycle
+        assert dropped() is not None
+        assert free_device_bytes(torch.device("cuda")) == 5 << 30
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert seen == ["empty_cache", ("collected", True)]
+    seen.clear()
+    assert free_device_bytes(torch.device("cpu")) == 0 and seen == []

@@ -31,12 +31,26 @@ def _serve():
         pytest.skip(str(e), allow_module_level=True)
     model = load_model(path, device="cpu", dtype="float32")
     config = EngineConfig(kv_cache_mib=16, admission="optimistic", max_model_len=64)
-    thread = EngineThread(LLMEngine(config, model, log=lambda s: None))
-    thread.start()  # a daemon thread: it ends with the test process
-    return build_app(thread, "m")
+    global _thread
+    _thread = EngineThread(LLMEngine(config, model, log=lambda s: None))
+    return build_app(_thread, "m")
 
 
+_thread = None
 schema = schemathesis.openapi.from_asgi("/openapi.json", _serve())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engine_stepping():
+    """The engine thread steps while this module's tests run, and only then: a
+    server's thread keeps the collector frozen (`utils.gc_frozen`) while it
+    runs, which the other modules' tests must not inherit."""
+    _thread.start()
+    yield
+    _thread.stop()
+    assert not _thread._thread.is_alive()
+
+
 QUICK = settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 THOROUGH = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 

@@ -82,22 +82,27 @@ def gc_frozen() -> Iterator[None]:
     ends) puts the others back, so nothing that dies later stays uncollected.
     Both calls are O(1). If the caller's process froze objects itself
     (`gc.freeze()` before the block) it already manages this: nothing is
-    changed. Nested and concurrent blocks freeze once, unfreeze once.
+    changed. Nested and concurrent blocks freeze once, unfreeze once. The
+    count and the freeze change together: a Ctrl-C between them would leave
+    the process frozen for good (`deferred_interrupts`).
     """
     import gc
 
     global _gc_depth, _gc_ours
-    with _gc_lock:
-        if _gc_depth == 0:
-            _gc_ours = gc.get_freeze_count() == 0
-            if _gc_ours:
-                gc.freeze()
-        _gc_depth += 1
+    counted = False
     try:
+        with deferred_interrupts(), _gc_lock:
+            if _gc_depth == 0:
+                _gc_ours = gc.get_freeze_count() == 0
+                if _gc_ours:
+                    gc.freeze()
+            _gc_depth += 1
+            counted = True
         yield
     finally:
-        with _gc_lock:
-            _gc_depth -= 1
-            if _gc_depth == 0 and _gc_ours:
-                gc.unfreeze()
-                _gc_ours = False
+        if counted:
+            with deferred_interrupts(), _gc_lock:
+                _gc_depth -= 1
+                if _gc_depth == 0 and _gc_ours:
+                    gc.unfreeze()
+                    _gc_ours = False

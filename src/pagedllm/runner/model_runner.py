@@ -13,6 +13,7 @@ Token i of a request lives at slot `block_table[i // BS] * BS + i % BS`.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -146,9 +147,20 @@ def kv_cache_dtype(setting: str, model: LlamaModel) -> torch.dtype:
 
 
 def free_device_bytes(device: torch.device) -> int:
-    """Free memory on a CUDA device, in bytes; 0 on the CPU (its pool has a fixed size)."""
+    """Free memory on a CUDA device, in bytes; 0 on the CPU (its pool has a fixed size).
+
+    An engine dropped by its user (`del llm`) may not be freed yet: the first
+    engine of a process is held in a reference cycle (torch's own import
+    machinery keeps the frames that imported torch, `LLM.__init__`'s among
+    them, until a full collection). Its model and K/V pages would still take
+    the memory measured here, and the new engine would plan a cache around
+    them. So the collector runs first, and PyTorch's allocator gives back
+    the blocks that nothing uses any more.
+    """
     if device.type != "cuda":
         return 0
+    gc.collect()
+    torch.cuda.empty_cache()
     free, _total = torch.cuda.mem_get_info(device)
     return int(free)
 
