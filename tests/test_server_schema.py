@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 
 def _serve():
-    """The app, on SmolLM2 in float32 (loaded once, when this module is collected)."""
+    """The app and its engine thread (not started), on SmolLM2 in float32 (loaded
+    once, when this module is collected)."""
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.engine_config import EngineConfig
     from pagedllm.model import load_model
@@ -31,13 +32,12 @@ def _serve():
         pytest.skip(str(e), allow_module_level=True)
     model = load_model(path, device="cpu", dtype="float32")
     config = EngineConfig(kv_cache_mib=16, admission="optimistic", max_model_len=64)
-    global _thread
-    _thread = EngineThread(LLMEngine(config, model, log=lambda s: None))
-    return build_app(_thread, "m")
+    thread = EngineThread(LLMEngine(config, model, log=lambda s: None))
+    return build_app(thread, "m"), thread
 
 
-_thread = None
-schema = schemathesis.openapi.from_asgi("/openapi.json", _serve())
+_app, _thread = _serve()
+schema = schemathesis.openapi.from_asgi("/openapi.json", _app)
 
 
 @pytest.fixture(scope="module", autouse=True)
