@@ -4,7 +4,10 @@ Float32 on small shapes (the interpreter is slow): ragged lengths, page
 boundaries (seq lens 1, 15, 16, 17, 33, ...), GQA ratios 1/3/4/8, head dims 64
 and 128, prefill with and without a cached prefix, decode with and without
 split-KV, strided views of a fused QKV output. A few float16 cases run the
-16-bit tile sizes the GPU uses. bf16 on CUDA is `test_triton_gpu.py`.
+16-bit tile sizes the GPU uses. The kernels that round to bf16 (norms,
+SwiGLU, the GEMV) also run in bf16 here, against the reference rounded the
+same way: the interpreter rounds float32 to bf16 as the GPU does
+(`triton_interpret_fix`). bf16 on CUDA is `test_triton_gpu.py`.
 
 The interpreter must be switched on before Triton is first imported:
 tests/conftest.py sets TRITON_INTERPRET=1 for the whole session when there is
@@ -23,6 +26,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
+
+import triton.language as tl  # noqa: E402
 
 from pagedllm.config import RopeScaling  # noqa: E402
 from pagedllm.ops import reference as ref  # noqa: E402
@@ -70,9 +75,55 @@ def paged_cache(seq_lens, num_kv_heads, head_dim, dtype=torch.float32, gen=None)
     return k_cache, v_cache, block_tables
 
 
+def assert_bf16_rounded_as(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 results rounded as the reference rounds them: equal bits, except a few
+    (at most 1 in 1,000) one bf16 step apart, where a float32 sum taken in another
+    order lands on the other side of a rounding boundary. Truncating instead of
+    rounding to nearest would change about half of them."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    a, b = got.view(torch.int16).int(), want.view(torch.int16).int()
+    differ = a != b
+    assert int(differ.sum()) <= max(1, got.numel() // 1000), f"{int(differ.sum())} differ"
+    assert int((a - b).abs().max()) <= 1
+
+
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(0)
+
+
+@triton.jit
+def _to_bf16_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs).to(tl.bfloat16))
+
+
+def test_interpreter_rounds_float32_to_bf16_to_nearest_even():
+    """The interpreter's own cast keeps the top 16 bits; the GPU and torch round to
+    nearest, ties to even (the shim in `triton_interpret_fix`)."""
+    ulp = 2.0**-7  # of bf16 at 1.0
+    values = [
+        1 + ulp / 2,  # a tie: to 1.0 (even)
+        1 + 3 * ulp / 2,  # a tie: up to 1 + 2 ulp (even)
+        1 + ulp / 2 + 2.0**-20,  # above the tie: up (truncation gives 1.0)
+        2 - ulp / 4,  # rounds up into the next exponent: 2.0
+        -(1 + 0.75 * ulp),
+        3.4e38,  # above bf16's largest finite value: inf
+        1e-40,  # float32 subnormal
+        0.0,
+        -0.0,
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+        0.1,
+        -123.456,
+        65504.0,
+        3.0e-5,
+    ]
+    x = torch.tensor(values, dtype=torch.float32)
+    y = torch.empty(16, dtype=torch.bfloat16)
+    _to_bf16_kernel[(1,)](x, y, N=16)
+    assert torch.equal(y.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
 
 
 # --------------------------------------------------------------------------
@@ -80,25 +131,32 @@ def gen() -> torch.Generator:
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def assert_matches(got: torch.Tensor, want: torch.Tensor, **tol) -> None:
+    if got.dtype == torch.bfloat16:
+        assert_bf16_rounded_as(got, want)
+    else:
+        torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [64, 100, 2048])
 def test_rms_norm(gen, dtype, hidden):
     x = torch.randn(5, hidden, generator=gen).to(dtype)
     w = torch.randn(hidden, generator=gen).to(dtype)
     out = tri.rms_norm(x, w, 1e-5)
     assert out.dtype == dtype and out.shape == x.shape
-    torch.testing.assert_close(out, ref.rms_norm(x, w, 1e-5))
+    assert_matches(out, ref.rms_norm(x, w, 1e-5))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_fused_add_rms_norm(gen, dtype):
     x = torch.randn(7, 96, generator=gen).to(dtype)
     res = torch.randn(7, 96, generator=gen).to(dtype)
     w = torch.randn(96, generator=gen).to(dtype)
     want_normed, want_res = ref.fused_add_rms_norm(x, res, w, 1e-6)
     normed, new_res = tri.fused_add_rms_norm(x.clone(), res.clone(), w, 1e-6)
-    torch.testing.assert_close(new_res, want_res)
-    torch.testing.assert_close(normed, want_normed)
+    assert_matches(new_res, want_res)
+    assert_matches(normed, want_normed)
 
 
 def test_fused_add_rms_norm_writes_in_place(gen):
@@ -107,11 +165,11 @@ def test_fused_add_rms_norm_writes_in_place(gen):
     assert normed.data_ptr() == x.data_ptr() and new_res.data_ptr() == res.data_ptr()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("inter", [48, 1500])
 def test_silu_and_mul(gen, dtype, inter):
     x = torch.randn(6, 2 * inter, generator=gen).to(dtype)
-    torch.testing.assert_close(tri.silu_and_mul(x), ref.silu_and_mul(x))
+    assert_matches(tri.silu_and_mul(x), ref.silu_and_mul(x))
 
 
 # --------------------------------------------------------------------------
@@ -119,7 +177,7 @@ def test_silu_and_mul(gen, dtype, inter):
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 37, 100), (1, 64, 512), (2, 50, 700), (3, 8, 33)])
 @pytest.mark.parametrize("glu", [False, True])
 def test_gemv(gen, dtype, m, n, k, glu):
@@ -134,7 +192,7 @@ def test_gemv(gen, dtype, m, n, k, glu):
     for config in [(4, 128, 4), (2, 256, 2), (16, 64, 4)] + ([] if glu else [(1, 256, 2)]):
         got = triton_gemv.gemv(x, w, glu=glu, config=config)
         assert got.dtype == dtype and got.shape == (m, n)
-        torch.testing.assert_close(got, want, **tol)
+        assert_matches(got, want, **tol)
 
 
 def test_gemv_glu_needs_even_rows(gen, monkeypatch):

@@ -14,6 +14,11 @@ Owns: nothing numerical of ours. Compiled (GPU) kernels never pass through here.
    The GPU rounds to nearest even, as `torch.Tensor.to(torch.float8_e4m3fn)`
    does: this routes the interpreter's casts to e4m3 through torch. (Casts out
    of fp8 are exact in the interpreter and are left alone.)
+3. Rounding float32 to bfloat16. The interpreter keeps the top 16 bits
+   (truncation: 1.00781 becomes 1.0); the GPU, like torch, rounds to nearest
+   even. The interpreter's float32 -> bfloat16 casts go through torch too, so
+   a kernel that rounds its sums to bf16 gives on the CPU the bits the GPU
+   gives (the bf16 interpreter tests compare with `reference` exactly).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ def apply() -> None:
         return
     _fix_index(interpreter)
     _fix_fp8_rounding(interpreter)
+    _fix_bf16_rounding(interpreter)
 
 
 def _unfixed(owner, name: str):
@@ -76,6 +82,27 @@ def _fix_fp8_rounding(interpreter) -> None:
 
     create_fp_to_fp._pagedllm_fixed = True
     builder.create_fp_to_fp = create_fp_to_fp
+
+
+def _fix_bf16_rounding(interpreter) -> None:
+    import numpy as np
+    import torch
+    import triton.language as tl
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    original = _unfixed(builder, "cast_impl")
+    if original is None:
+        return
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return original(self, src, dst_type)
+        x = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+        bits = x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)  # bf16 as uint16
+        return interpreter.TensorHandle(bits, dst_type.scalar)
+
+    cast_impl._pagedllm_fixed = True
+    builder.cast_impl = cast_impl
 
 
 apply()
