@@ -403,11 +403,16 @@ def test_async_scheduling_changes_no_greedy_output_fp32():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_programmatic_dependent_launch_changes_nothing(dtype, monkeypatch):
     """Batch-1 decode steps launch their layers' kernels as programmatic
-    dependents (ops/triton_pdl.py), in the decode CUDA graphs too; other steps
-    (prefill graphs, batched decode over cuBLAS) do not. The same tokens and
-    log-probs, bit for bit, as with PDL off; captures at every batch size work."""
+    dependents (ops/triton_pdl.py), in the decode CUDA graphs too, and so do
+    16-bit decode steps of PDL_MIN_DECODE_BATCH rows and more (here lowered to
+    2, so the batched steps of three prompts chain in bf16, after cuBLAS's
+    GEMMs); prefill steps do not. The same tokens and log-probs, bit for bit,
+    as with PDL off; captures at every batch size work."""
     from pagedllm import LLM, SamplingParams
+    from pagedllm.model import llama
     from pagedllm.ops import triton_pdl
+
+    monkeypatch.setattr(llama, "PDL_MIN_DECODE_BATCH", 2)
 
     torch.backends.cuda.matmul.allow_tf32 = False
     hf, cfg = preset_hf_model(dtype, seed=3, num_layers=2, spread=True)

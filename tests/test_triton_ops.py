@@ -800,6 +800,44 @@ def test_model_ops_mode_reaches_forward(monkeypatch):
         model.forward_logits(prompt)
 
 
+def test_layers_chain_their_kernels_at_batch_1_and_in_large_16_bit_decode_steps(monkeypatch):
+    """Which steps launch the layers' kernels as programmatic dependents
+    (`LlamaModel._chained`): batch 1, and decode steps of PDL_MIN_DECODE_BATCH
+    rows or more in 16-bit; never prefill, float32 batches or tensor parallelism."""
+    from pagedllm import ops
+    from pagedllm.config import ModelConfig
+    from pagedllm.model import dummy_model, llama
+    from pagedllm.model.batch import ForwardBatch
+
+    config = ModelConfig(300, 64, 96, 2, 4, 2, 16, 1e-5, 1e4, None, False, 256, 1, (2,))
+    model = dummy_model(config, "cpu", "bfloat16", std=0.2)
+
+    def batch(rows, decode):
+        ids = torch.zeros(rows, dtype=torch.long)
+        return ForwardBatch(ids, ids, None, None, ids, ids, ids, is_decode=decode)
+
+    big = llama.PDL_MIN_DECODE_BATCH
+    assert model._chained(batch(1, True)) and model._chained(batch(1, False))
+    assert model._chained(batch(big, True)) and model._chained(batch(4 * big, True))
+    assert not model._chained(batch(big - 1, True))
+    assert not model._chained(batch(big, False))  # prefill or mixed
+    model.dtype = torch.float32
+    assert not model._chained(batch(big, True)) and model._chained(batch(1, True))
+    model.dtype = torch.bfloat16
+    model.tp = object()  # any tensor-parallel group
+    assert not model._chained(batch(1, True)) and not model._chained(batch(big, True))
+    model.tp = None
+    # forward opens the chain with that answer around the layers.
+    seen = []
+    real = ops.kernel_chain
+    monkeypatch.setattr(
+        ops, "kernel_chain", lambda active=True: seen.append(active) or real(active)
+    )
+    model.forward_logits([7])
+    model.forward_logits([7, 8, 9])
+    assert seen == [True, False]
+
+
 def test_signatures_match_the_reference():
     import inspect
 

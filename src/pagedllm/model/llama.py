@@ -29,6 +29,10 @@ from pagedllm.ops.reference import rope_cos_sin_cache
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: (NB, BS, Hkv, D) each
 
+# Decode steps of at least this many rows launch the layers' Triton kernels as
+# programmatic dependents (see `LlamaModel._chained`).
+PDL_MIN_DECODE_BATCH = 64
+
 
 @dataclass
 class LayerWeights:
@@ -98,9 +102,10 @@ class LlamaModel:
         tracer = self.tracer
         if tracer is not None:
             tracer(-1, "embedding", hidden)
-        # One token (batch-1 decode): every kernel of the layers is ours, so each may
-        # start while the one before finishes (ops/triton_pdl.py).
-        with ops.kernel_chain(batch.num_tokens == 1 and self.tp is None):
+        # Our kernels may start while the one before finishes (ops/triton_pdl.py):
+        # at batch 1, where every kernel of the layers is ours, and in 16-bit decode
+        # steps of PDL_MIN_DECODE_BATCH rows and more, after cuBLAS's GEMMs too.
+        with ops.kernel_chain(self._chained(batch)):
             hidden, residual, gathered = self._layers(impl, batch, hidden, kv_caches)
 
         # 5. Only the rows whose logits are wanted go through the final norm and LM
@@ -113,6 +118,25 @@ class LlamaModel:
         if tracer is not None:  # the rows that go to the LM head
             tracer(len(self.layers), "final_norm", out)
         return out  # (N, E)
+
+    def _chained(self, batch: ForwardBatch) -> bool:
+        """Whether this step's layers launch our kernels as programmatic dependents.
+
+        Batch 1: the chain of small kernels gains most (1B 978 -> 1,104 tok/s).
+        Batched decode: each norm, RoPE + store, attention and SwiGLU kernel after
+        a cuBLAS GEMM skips its launch gap; 8B float8 steps of batch 64-256 ran 2-3 %
+        faster, steps of batch 16-63 1-2 % slower (docs/benchmarks.md, eleventh
+        increment). Not in float32 (stream capture failed there after cuBLAS's
+        float32 GEMMs), nor under tensor parallelism (NCCL kernels in the chain)."""
+        if self.tp is not None:
+            return False
+        if batch.num_tokens == 1:
+            return True
+        return (
+            batch.is_decode
+            and batch.num_tokens >= PDL_MIN_DECODE_BATCH
+            and self.dtype in (torch.bfloat16, torch.float16)
+        )
 
     def _layers(
         self, impl, batch: ForwardBatch, hidden: torch.Tensor, kv_caches: list[KVCache] | None

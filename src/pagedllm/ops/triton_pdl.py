@@ -17,11 +17,13 @@ of the step writes (weights; the GEMV reads its first chunk of W there).
 Every kernel launched with PDL calls `pdl_wait` in every program, before it
 reads or writes anything an earlier kernel touches. That keeps the order
 transitive: a kernel cannot finish before its own predecessor has, so when
-`pdl_wait` returns, every kernel before it has finished too. CUDA graphs keep
-these edges when captured, but stream capture failed when a PDL launch
-followed cuBLAS's float32 GEMMs, so kernels launch this way only inside
-`ops.kernel_chain()`: the model's layers at batch 1, where every kernel is one
-of ours.
+`pdl_wait` returns, every kernel before it has finished too. (A kernel launched
+normally, cuBLAS's GEMMs among them, waits for the whole of the one before, as
+always.) CUDA graphs keep these edges when captured, but stream capture failed
+when a PDL launch followed cuBLAS's float32 GEMMs, so kernels launch this way
+only inside `ops.kernel_chain()`: the model's layers at batch 1, where every
+kernel is one of ours, and in 16-bit decode steps of 64 rows and more
+(`LlamaModel._chained`), where our kernels follow cuBLAS's bf16 GEMMs.
 
 Measured (scripts/bench_pdl.py, H200): the four GEMVs of a layer in a graph,
 1B 35.4 -> 31.2 us per layer, 8B 107.2 -> 102.0 us (4.28 TB/s), bit-identical
