@@ -802,7 +802,7 @@ def test_model_ops_mode_reaches_forward(monkeypatch):
 
 def test_layers_chain_their_kernels_at_batch_1_and_in_large_16_bit_decode_steps(monkeypatch):
     """Which steps launch the layers' kernels as programmatic dependents
-    (`LlamaModel._chained`): batch 1, and decode steps of PDL_MIN_DECODE_BATCH
+    (`LlamaModel.chains_kernels`): batch 1, and decode steps of PDL_MIN_DECODE_BATCH
     rows or more in 16-bit; never prefill, float32 batches or tensor parallelism."""
     from pagedllm import ops
     from pagedllm.config import ModelConfig
@@ -817,15 +817,15 @@ def test_layers_chain_their_kernels_at_batch_1_and_in_large_16_bit_decode_steps(
         return ForwardBatch(ids, ids, None, None, ids, ids, ids, is_decode=decode)
 
     big = llama.PDL_MIN_DECODE_BATCH
-    assert model._chained(batch(1, True)) and model._chained(batch(1, False))
-    assert model._chained(batch(big, True)) and model._chained(batch(4 * big, True))
-    assert not model._chained(batch(big - 1, True))
-    assert not model._chained(batch(big, False))  # prefill or mixed
+    assert model.chains_kernels(batch(1, True)) and model.chains_kernels(batch(1, False))
+    assert model.chains_kernels(batch(big, True)) and model.chains_kernels(batch(4 * big, True))
+    assert not model.chains_kernels(batch(big - 1, True))
+    assert not model.chains_kernels(batch(big, False))  # prefill or mixed
     model.dtype = torch.float32
-    assert not model._chained(batch(big, True)) and model._chained(batch(1, True))
+    assert not model.chains_kernels(batch(big, True)) and model.chains_kernels(batch(1, True))
     model.dtype = torch.bfloat16
     model.tp = object()  # any tensor-parallel group
-    assert not model._chained(batch(1, True)) and not model._chained(batch(big, True))
+    assert not model.chains_kernels(batch(1, True)) and not model.chains_kernels(batch(big, True))
     model.tp = None
     # forward opens the chain with that answer around the layers.
     seen = []

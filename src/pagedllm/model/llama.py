@@ -30,7 +30,7 @@ from pagedllm.ops.reference import rope_cos_sin_cache
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: (NB, BS, Hkv, D) each
 
 # Decode steps of at least this many rows launch the layers' Triton kernels as
-# programmatic dependents (see `LlamaModel._chained`).
+# programmatic dependents (see `LlamaModel.chains_kernels`).
 PDL_MIN_DECODE_BATCH = 64
 
 
@@ -75,6 +75,10 @@ class LlamaModel:
         # `pagedllm trace` sets this to see the buffers of each layer:
         # tracer(layer_index, name, tensor). None (always, outside a trace): no cost.
         self.tracer = None
+        # Whether large 16-bit decode steps chain their kernels (`chains_kernels`). The decode
+        # graphs' warm-up turns it off for one eager pass per bucket: mixed steps run
+        # the same kernels unchained, and must find them compiled too.
+        self.chain_batched_decode = True
         self.source_path = None  # the file or directory it was loaded from, if any
         self.device = embed_tokens.device
         self.dtype = embed_tokens.dtype
@@ -105,7 +109,7 @@ class LlamaModel:
         # Our kernels may start while the one before finishes (ops/triton_pdl.py):
         # at batch 1, where every kernel of the layers is ours, and in 16-bit decode
         # steps of PDL_MIN_DECODE_BATCH rows and more, after cuBLAS's GEMMs too.
-        with ops.kernel_chain(self._chained(batch)):
+        with ops.kernel_chain(self.chains_kernels(batch)):
             hidden, residual, gathered = self._layers(impl, batch, hidden, kv_caches)
 
         # 5. Only the rows whose logits are wanted go through the final norm and LM
@@ -119,7 +123,7 @@ class LlamaModel:
             tracer(len(self.layers), "final_norm", out)
         return out  # (N, E)
 
-    def _chained(self, batch: ForwardBatch) -> bool:
+    def chains_kernels(self, batch: ForwardBatch) -> bool:
         """Whether this step's layers launch our kernels as programmatic dependents.
 
         Batch 1: the chain of small kernels gains most (1B 978 -> 1,104 tok/s).
@@ -133,7 +137,8 @@ class LlamaModel:
         if batch.num_tokens == 1:
             return True
         return (
-            batch.is_decode
+            self.chain_batched_decode
+            and batch.is_decode
             and batch.num_tokens >= PDL_MIN_DECODE_BATCH
             and self.dtype in (torch.bfloat16, torch.float16)
         )

@@ -118,7 +118,7 @@ def kernel_chain(active: bool = True) -> Iterator[None]:
     dependents of the kernel before them. `LlamaModel.forward` opens it around
     its layers when one token runs (batch-1 decode: GEMVs, norms, RoPE + KV
     store and decode attention, all Triton) and in large 16-bit decode steps
-    (`LlamaModel._chained`)."""
+    (`LlamaModel.chains_kernels`)."""
     token = _KERNEL_CHAIN.set(active)
     try:
         yield

@@ -23,7 +23,7 @@ always.) CUDA graphs keep these edges when captured, but stream capture failed
 when a PDL launch followed cuBLAS's float32 GEMMs, so kernels launch this way
 only inside `ops.kernel_chain()`: the model's layers at batch 1, where every
 kernel is one of ours, and in 16-bit decode steps of 64 rows and more
-(`LlamaModel._chained`), where our kernels follow cuBLAS's bf16 GEMMs.
+(`LlamaModel.chains_kernels`), where our kernels follow cuBLAS's bf16 GEMMs.
 
 Measured (scripts/bench_pdl.py, H200): the four GEMVs of a layer in a graph,
 1B 35.4 -> 31.2 us per layer, 8B 107.2 -> 102.0 us (4.28 TB/s), bit-identical

@@ -56,15 +56,21 @@ class CopyFence:
 
 
 def capture_graphs(
-    buckets: list[int], forward: Callable[[int], torch.Tensor]
+    buckets: list[int],
+    forward: Callable[[int], torch.Tensor],
+    warm_up: Callable[[int], object] | None = None,
 ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
     """One graph per bucket of `forward(bucket)` (which returns the logits), and
     the output tensor each replay rewrites.
 
-    Every bucket runs eagerly first (Triton compiles on first launch); then the
-    largest is captured first, so the smaller ones reuse its memory pool."""
+    Every bucket runs eagerly first (Triton compiles on first launch), then
+    `warm_up(bucket)` if given (kernels that other steps launch in another
+    variant); then the largest is captured first, so the smaller ones reuse its
+    memory pool."""
     for b in buckets:
         forward(b)
+        if warm_up is not None:
+            warm_up(b)
     torch.cuda.synchronize()
     graphs: dict[int, torch.cuda.CUDAGraph] = {}
     outputs: dict[int, torch.Tensor] = {}
@@ -147,9 +153,24 @@ class DecodeGraphs:
         self.d_long[2].fill_(-1)  # padding: store nothing
         self.seq_lens.fill_(1)
         self.order.copy_(torch.from_numpy(self.arange))
-        self.graphs, self.outputs = capture_graphs(
-            self.buckets, lambda b: model.compute_logits(model.forward(self._batch(b), kv))
-        )
+
+        def forward(b: int) -> torch.Tensor:
+            return model.compute_logits(model.forward(self._batch(b), kv))
+
+        def unchained(b: int) -> None:
+            # A bucket whose graph chains its kernels (PDL, a compile-time variant of
+            # each Triton kernel) also runs once unchained: mixed steps with as many
+            # decode rows launch the same kernels unchained, and compiling one of
+            # them mid-run stalled a step (1B float8 K/V: ~0.8 s in the first steps).
+            if not model.chains_kernels(self._batch(b)) or b == 1:
+                return
+            model.chain_batched_decode = False
+            try:
+                forward(b)
+            finally:
+                model.chain_batched_decode = True
+
+        self.graphs, self.outputs = capture_graphs(self.buckets, forward, unchained)
         self.seq_lens.zero_()
 
     def can_run(self, num_seqs: int) -> bool:
