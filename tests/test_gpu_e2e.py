@@ -404,7 +404,7 @@ def test_async_scheduling_changes_no_greedy_output_fp32():
 def test_programmatic_dependent_launch_changes_nothing(dtype, monkeypatch):
     """Batch-1 decode steps launch their layers' kernels as programmatic
     dependents (ops/triton_pdl.py), in the decode CUDA graphs too, and so do
-    16-bit decode steps of PDL_MIN_DECODE_BATCH rows and more (here lowered to
+    bf16 decode steps of PDL_MIN_DECODE_BATCH rows and more (here lowered to
     2, so the batched steps of three prompts chain in bf16, after cuBLAS's
     GEMMs); prefill steps do not. The same tokens and log-probs, bit for bit,
     as with PDL off; captures at every batch size work."""

@@ -800,10 +800,10 @@ def test_model_ops_mode_reaches_forward(monkeypatch):
         model.forward_logits(prompt)
 
 
-def test_layers_chain_their_kernels_at_batch_1_and_in_large_16_bit_decode_steps(monkeypatch):
+def test_layers_chain_their_kernels_at_batch_1_and_in_large_bf16_decode_steps(monkeypatch):
     """Which steps launch the layers' kernels as programmatic dependents
     (`LlamaModel.chains_kernels`): batch 1, and decode steps of PDL_MIN_DECODE_BATCH
-    rows or more in 16-bit; never prefill, float32 batches or tensor parallelism."""
+    rows or more in bf16; never prefill, float32 or float16 batches or tensor parallelism."""
     from pagedllm import ops
     from pagedllm.config import ModelConfig
     from pagedllm.model import dummy_model, llama
@@ -821,9 +821,13 @@ def test_layers_chain_their_kernels_at_batch_1_and_in_large_16_bit_decode_steps(
     assert model.chains_kernels(batch(big, True)) and model.chains_kernels(batch(4 * big, True))
     assert not model.chains_kernels(batch(big - 1, True))
     assert not model.chains_kernels(batch(big, False))  # prefill or mixed
-    model.dtype = torch.float32
-    assert not model.chains_kernels(batch(big, True)) and model.chains_kernels(batch(1, True))
+    for dtype in (torch.float32, torch.float16):
+        model.dtype = dtype
+        assert not model.chains_kernels(batch(big, True)) and model.chains_kernels(batch(1, True))
     model.dtype = torch.bfloat16
+    model.chain_batched_decode = False  # the decode graphs' unchained warm-up
+    assert not model.chains_kernels(batch(big, True)) and model.chains_kernels(batch(1, True))
+    model.chain_batched_decode = True
     model.tp = object()  # any tensor-parallel group
     assert not model.chains_kernels(batch(1, True)) and not model.chains_kernels(batch(big, True))
     model.tp = None

@@ -75,7 +75,7 @@ class LlamaModel:
         # `pagedllm trace` sets this to see the buffers of each layer:
         # tracer(layer_index, name, tensor). None (always, outside a trace): no cost.
         self.tracer = None
-        # Whether large 16-bit decode steps chain their kernels (`chains_kernels`). The decode
+        # Whether large bf16 decode steps chain their kernels (`chains_kernels`). The decode
         # graphs' warm-up turns it off for one eager pass per bucket: mixed steps run
         # the same kernels unchained, and must find them compiled too.
         self.chain_batched_decode = True
@@ -107,7 +107,7 @@ class LlamaModel:
         if tracer is not None:
             tracer(-1, "embedding", hidden)
         # Our kernels may start while the one before finishes (ops/triton_pdl.py):
-        # at batch 1, where every kernel of the layers is ours, and in 16-bit decode
+        # at batch 1, where every kernel of the layers is ours, and in bf16 decode
         # steps of PDL_MIN_DECODE_BATCH rows and more, after cuBLAS's GEMMs too.
         with ops.kernel_chain(self.chains_kernels(batch)):
             hidden, residual, gathered = self._layers(impl, batch, hidden, kv_caches)
@@ -127,11 +127,12 @@ class LlamaModel:
         """Whether this step's layers launch our kernels as programmatic dependents.
 
         Batch 1: the chain of small kernels gains most (1B 978 -> 1,104 tok/s).
-        Batched decode: each norm, RoPE + store, attention and SwiGLU kernel after
-        a cuBLAS GEMM skips its launch gap; 8B float8 steps of batch 64-256 ran 2-3 %
-        faster, steps of batch 16-63 1-2 % slower (docs/benchmarks.md, eleventh
-        increment). Not in float32 (stream capture failed there after cuBLAS's
-        float32 GEMMs), nor under tensor parallelism (NCCL kernels in the chain)."""
+        Batched decode: each norm, RoPE + store and attention kernel after a cuBLAS
+        GEMM hides its launch; 8B float8 steps of batch 64-256 ran 1.5-2.7 % faster,
+        steps of batch 16-63 1-2 % slower (docs/benchmarks.md, eleventh increment).
+        bf16 only, where it was measured and captured: not in float32 (stream capture
+        failed there after cuBLAS's float32 GEMMs) nor float16 (not tried), nor under
+        tensor parallelism (NCCL kernels in the chain)."""
         if self.tp is not None:
             return False
         if batch.num_tokens == 1:
@@ -140,7 +141,7 @@ class LlamaModel:
             self.chain_batched_decode
             and batch.is_decode
             and batch.num_tokens >= PDL_MIN_DECODE_BATCH
-            and self.dtype in (torch.bfloat16, torch.float16)
+            and self.dtype == torch.bfloat16
         )
 
     def _layers(

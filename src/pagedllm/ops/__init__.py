@@ -108,7 +108,7 @@ def implementation_name(device: torch.device | str, mode: str | None = None) -> 
 
 # Programmatic dependent launch (ops/triton_pdl.py) is used only inside a chain the
 # model opens: stream capture failed when such a launch followed cuBLAS's float32
-# GEMMs, so the chain covers batch 1 (all kernels ours) and 16-bit decode steps.
+# GEMMs, so the chain covers batch 1 (all kernels ours) and large bf16 decode steps.
 _KERNEL_CHAIN = contextvars.ContextVar("pagedllm_kernel_chain", default=False)
 
 
@@ -117,7 +117,7 @@ def kernel_chain(active: bool = True) -> Iterator[None]:
     """Within (when `active`), our Triton kernels may launch as programmatic
     dependents of the kernel before them. `LlamaModel.forward` opens it around
     its layers when one token runs (batch-1 decode: GEMVs, norms, RoPE + KV
-    store and decode attention, all Triton) and in large 16-bit decode steps
+    store and decode attention, all Triton) and in large bf16 decode steps
     (`LlamaModel.chains_kernels`)."""
     token = _KERNEL_CHAIN.set(active)
     try:

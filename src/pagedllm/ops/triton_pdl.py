@@ -22,7 +22,7 @@ normally, cuBLAS's GEMMs among them, waits for the whole of the one before, as
 always.) CUDA graphs keep these edges when captured, but stream capture failed
 when a PDL launch followed cuBLAS's float32 GEMMs, so kernels launch this way
 only inside `ops.kernel_chain()`: the model's layers at batch 1, where every
-kernel is one of ours, and in 16-bit decode steps of 64 rows and more
+kernel is one of ours, and in bf16 decode steps of 64 rows and more
 (`LlamaModel.chains_kernels`), where our kernels follow cuBLAS's bf16 GEMMs.
 
 Measured (scripts/bench_pdl.py, H200): the four GEMVs of a layer in a graph,
