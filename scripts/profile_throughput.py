@@ -12,7 +12,9 @@ size) and each group's time is set against its floor, summed step by step:
                    + K/V bytes of every context / 4.28 TB/s
 
 The last line also gives the whole run's floor (the sum) and, for comparison,
-the floor with float8 K/V pages.
+the floor with float8 K/V pages. Steps that took more than STALL_FACTOR times
+their group's median are listed as stalls: one-off costs inside the run (a
+kernel compiled mid-run, a full garbage-collector pass), not a steady rate.
 
     PYTHONPATH=src python3 scripts/profile_throughput.py --preset llama-3.1-8b \
         [--kv-cache-dtype fp8] [--json PATH]
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -33,6 +36,7 @@ from pagedllm.presets import preset_dir
 MATMUL_FLOPS = 791e12  # bf16 8192^3 matmul measured on the H200 (docs/gpu.md)
 COPY_BYTES_PER_S = 4.28e12  # device-to-device copy, read + written
 BUCKETS = [(192, 256), (128, 191), (64, 127), (32, 63), (16, 31), (1, 15)]
+STALL_FACTOR = 4.0
 
 
 class StepLog:
@@ -63,6 +67,16 @@ def step_floor(params, kv_bytes, weight_bytes, rows, context, prompt_tokens) -> 
     decode_rows = rows - (1 if prompt_tokens else 0)  # roughly: one row per sequence
     compute = 2 * params * (decode_rows + prompt_tokens) / MATMUL_FLOPS
     return max(weight_bytes / COPY_BYTES_PER_S, compute) + context * kv_bytes / COPY_BYTES_PER_S
+
+
+def find_stalls(walls: dict[str, list[tuple[float, int]]]) -> list[tuple[float, int, str, float]]:
+    """(wall, step index, group, the group's median) of every step that took more
+    than STALL_FACTOR times its group's median, slowest first."""
+    out = []
+    for key, rows in walls.items():
+        median = statistics.median(w for w, _ in rows)
+        out += [(w, i, key, median) for w, i in rows if w > STALL_FACTOR * median]
+    return sorted(out, reverse=True)
 
 
 def main() -> None:
@@ -112,6 +126,7 @@ def main() -> None:
     floors = {8: 0.0, 16: 0.0}  # bits per K/V value -> the run's floor
     prev = t0
     per_step = []
+    walls: dict[str, list[tuple[float, int]]] = {}  # group -> (wall, step index)
     for t, rows, context, prompt in log.rows:
         wall = t - prev
         prev = t
@@ -132,6 +147,7 @@ def main() -> None:
         per_step.append(
             dict(wall_ms=round(wall * 1e3, 3), rows=rows, context=context, prompt=prompt)
         )
+        walls.setdefault(key, []).append((wall, len(per_step) - 1))
     total = t1 - t0
     print(
         f"== {args.preset}, K/V {args.kv_cache_dtype}: {total:.3f} s, {out_tokens / total:,.0f} tok/s"
@@ -144,6 +160,11 @@ def main() -> None:
         f"({out_tokens / floors[16]:,.0f} tok/s), {floors[8]:.3f} s with float8 K/V "
         f"({out_tokens / floors[8]:,.0f} tok/s)"
     )
+    stalls = find_stalls(walls)
+    for wall, i, key, median in stalls:
+        print(
+            f"stall: step {i} ({key}) took {1e3 * wall:.1f} ms, its group's median {1e3 * median:.2f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(per_step, f)
@@ -154,7 +175,11 @@ def main() -> None:
     print(
         json.dumps(
             dict(
-                preset=args.preset, kv=args.kv_cache_dtype, seconds=round(total, 4), groups=summary
+                preset=args.preset,
+                kv=args.kv_cache_dtype,
+                seconds=round(total, 4),
+                groups=summary,
+                stalls=[dict(step=i, group=k, wall_s=round(w, 4)) for w, i, k, _ in stalls],
             )
         )
     )
