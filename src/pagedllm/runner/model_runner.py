@@ -152,10 +152,10 @@ def free_device_bytes(device: torch.device) -> int:
     An engine dropped by its user (`del llm`) may not be freed yet: the first
     engine of a process is held in a reference cycle (while torch is imported,
     `torch.fx.wrap` keeps its own frame in a cycle, and with it every caller's
-    frame, `LLM.__init__`'s among them, until a full collection). Its model and K/V pages would still take
-    the memory measured here, and the new engine would plan a cache around
-    them. So the collector runs first, and PyTorch's allocator gives back
-    the blocks that nothing uses any more.
+    frame, `LLM.__init__`'s among them, until a full collection). Its model and
+    K/V pages would still take the memory measured here, and the new engine
+    would plan a cache around them. So the collector runs first, and PyTorch's
+    allocator gives back the blocks that nothing uses any more.
     """
     if device.type != "cuda":
         return 0
