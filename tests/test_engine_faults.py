@@ -507,3 +507,35 @@ def test_free_gpu_memory_is_measured_after_dropped_engines_are_collected(monkeyp
     assert seen == ["empty_cache", ("collected", True)]
     seen.clear()
     assert free_device_bytes(torch.device("cpu")) == 0 and seen == []
+
+
+def test_dropped_engines_memory_is_released_before_a_new_model_loads(monkeypatch):
+    """Weights loaded while a dropped engine's blocks sit in PyTorch's cache are
+    placed inside them, and what is left of those blocks can be neither used nor
+    handed back (on the H200 a second 1B engine got 2.3 % fewer pages). So the
+    engine collects and empties the cache before it loads a CUDA model, and does
+    nothing of the kind for a CPU model or one it is given."""
+    import torch
+
+    from pagedllm.engine_config import EngineConfig
+    from pagedllm.runner import model_runner
+
+    seen = []
+    monkeypatch.setattr(model_runner.gc, "collect", lambda: seen.append("collect") or 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: seen.append("empty_cache"))
+    monkeypatch.setattr(
+        model_runner, "resolve_device", lambda device: torch.device(device or "cuda")
+    )
+    monkeypatch.setattr(model_runner, "resolve_model_path", lambda path: path)
+
+    def load_model(path, device, dtype, **kwargs):
+        seen.append(("load", device))
+        return "model"
+
+    monkeypatch.setattr(model_runner, "load_model", load_model)
+    assert model_runner.load_or_check_model(EngineConfig(), None, 128) == "model"
+    assert seen == ["collect", "empty_cache", ("load", None)]
+    seen.clear()
+    config = EngineConfig(device="cpu")
+    assert model_runner.load_or_check_model(config, None, 128) == "model"
+    assert seen == [("load", "cpu")]

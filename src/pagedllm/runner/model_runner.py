@@ -100,6 +100,12 @@ def load_or_check_model(
     loaded from `config.model` (the default model when None) for at most
     `max_positions` positions; with `tp`, rank 0's slice of it."""
     if model is None:
+        # Before the weights, not only before the cache is planned: weights loaded
+        # while a dropped engine's blocks sit in PyTorch's cache are placed inside
+        # them, and what is left of those blocks can be neither used nor handed
+        # back. On the H200 a second 1B engine then got 2.3 % fewer K/V pages than
+        # the first (228,540 against 234,021; docs/benchmarks.md, twelfth increment).
+        release_device_cache(resolve_device(config.device))
         return load_model(
             resolve_model_path(config.model),
             config.device,
@@ -146,21 +152,29 @@ def kv_cache_dtype(setting: str, model: LlamaModel) -> torch.dtype:
     return FP8_KV_DTYPE
 
 
-def free_device_bytes(device: torch.device) -> int:
-    """Free memory on a CUDA device, in bytes; 0 on the CPU (its pool has a fixed size).
+def release_device_cache(device: torch.device) -> None:
+    """Give dropped engines' memory back to a CUDA device; nothing on the CPU.
 
     An engine dropped by its user (`del llm`) may not be freed yet: the first
     engine of a process is held in a reference cycle (while torch is imported,
     `torch.fx.wrap` keeps its own frame in a cycle, and with it every caller's
-    frame, `LLM.__init__`'s among them, until a full collection). Its model and
-    K/V pages would still take the memory measured here, and the new engine
-    would plan a cache around them. So the collector runs first, and PyTorch's
-    allocator gives back the blocks that nothing uses any more.
+    frame, `LLM.__init__`'s among them, until a full collection). So the
+    collector runs first. Even once freed, the engine's blocks stay in PyTorch's
+    allocator cache, and `empty_cache` hands back the ones nothing uses.
     """
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Free memory on a CUDA device, in bytes, after `release_device_cache`; 0 on
+    the CPU (its pool has a fixed size). A dropped engine's model and K/V pages
+    would otherwise still take the memory measured here, and the new engine
+    would plan a cache around them."""
     if device.type != "cuda":
         return 0
-    gc.collect()
-    torch.cuda.empty_cache()
+    release_device_cache(device)
     free, _total = torch.cuda.mem_get_info(device)
     return int(free)
 
