@@ -539,3 +539,6 @@ def test_dropped_engines_memory_is_released_before_a_new_model_loads(monkeypatch
     config = EngineConfig(device="cpu")
     assert model_runner.load_or_check_model(config, None, 128) == "model"
     assert seen == [("load", "cpu")]
+    seen.clear()
+    assert model_runner.load_or_check_model(EngineConfig(), "given", 128) == "given"
+    assert seen == []
