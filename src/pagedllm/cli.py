@@ -37,6 +37,17 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedllm import __version__, cpu_threads
+
+# The error style lives in cli_errors.py (the subcommands import it from there, not
+# from here: this module imports them to dispatch). Re-exported for older imports.
+from pagedllm.cli_errors import (  # noqa: F401
+    EXIT_BROKEN_PIPE,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    error,
+    one_line,
+)
 from pagedllm.engine_args import (
     add_engine_arguments,
     checked,
@@ -51,7 +62,6 @@ from pagedllm.sampling_params import SamplingParams
 
 SUBCOMMANDS = ("tokenize", "detokenize", "bench", "serve", "trace", "inspect")
 PROG = "pagedllm"
-EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 1, 2, 130, 141
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
@@ -83,17 +93,6 @@ def silence_stdout() -> None:
         os.close(devnull)
     except (OSError, ValueError, AttributeError):  # stdout replaced by a non-file (tests)
         pass
-
-
-def error(prog: str, message: object, code: int = EXIT_FAILED) -> int:
-    """Print `PROG: error: MESSAGE` as one line on stderr; return `code`."""
-    print(f"{prog}: error: {one_line(message)}", file=sys.stderr)
-    return code
-
-
-def one_line(message: object) -> str:
-    """A message on one line: its lines joined by spaces, indentation dropped."""
-    return " ".join(part.strip() for part in str(message).splitlines() if part.strip())
 
 
 def _subcommand(name: str) -> Callable[[list[str]], int]:
