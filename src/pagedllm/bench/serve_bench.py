@@ -33,7 +33,7 @@ Owns: the HTTP client (`http_request`, `body_chunks`), the SSE reader
 (`SSEReader`), the timing of one request (`send_completion`), the arrival
 process (`run_rate`) and the statistics (`percentile`, `summarize`). Does not
 own: the draw (workloads.py), the server (pagedllm/server/), the error style
-(pagedllm/cli.py) or the JSON line's printing (report.emit).
+(pagedllm/cli_errors.py) or the JSON line's printing (report.emit).
 
 Limits, so the figures are read right: one Python thread parses every event,
 so at tens of thousands of streamed tokens per second the client itself can
@@ -62,7 +62,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from pagedllm.bench import report, workloads
-from pagedllm.cli import error, one_line
+from pagedllm.cli_errors import error, one_line
 from pagedllm.engine_args import positive_float, positive_int, whole_number
 
 PROG = "pagedllm bench serve"
