@@ -18,6 +18,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -34,13 +35,27 @@ from pagedllm.request import Request
 from pagedllm.resolve import resolve_model_path
 from pagedllm.runner.batch import HostBatch
 from pagedllm.runner.cuda_graphs import CopyFence, DecodeGraphs, PrefillGraphs
-from pagedllm.runner.tp_workers import TPWorkers
 from pagedllm.sampling import Sampler, SamplingMetadata, compute_logprobs, make_generator
 from pagedllm.scheduler import SchedulerOutput
 from pagedllm.utils import deferred_interrupts
 
 MiB = 1 << 20
 Logprobs = dict[int, float]  # token id -> log-prob: the chosen token and the top k
+
+
+class RankWorkers(Protocol):
+    """What the runner needs of a tensor-parallel engine's other ranks: the step's
+    batch sent to them, the group's collectives, and word of a failed step.
+
+    `runner/tp_workers.py`'s `TPWorkers` is one. Named here, not imported from
+    there: the workers build a `ModelRunner` of their own, so the runner must
+    not import them back (an import circle)."""
+
+    tp: TensorParallel
+
+    def send(self, message: tuple[str, Any]) -> None: ...
+
+    def step_failed(self, error: BaseException) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -236,7 +251,7 @@ class ModelRunner:
         use_cuda_graphs: bool = True,
         ops_mode: str | None = None,
         max_num_batched_tokens: int = 8192,
-        workers: TPWorkers | None = None,
+        workers: RankWorkers | None = None,
     ) -> None:
         """`workers`: the other ranks of a tensor-parallel engine (this is rank 0):
         each step's batch goes to them before the forward pass."""

@@ -165,7 +165,10 @@ def _shutdown(shared: _Workers, wait_s: float) -> None:
 
 
 class TPWorkers:
-    """Rank 0's handle on the workers: start, send each step, stop."""
+    """Rank 0's handle on the workers: start, send each step, stop.
+
+    The `ModelRunner` takes it as a `model_runner.RankWorkers` (by its shape: the
+    runner imports nothing from here, since the workers import the runner)."""
 
     def __init__(
         self,
