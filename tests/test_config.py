@@ -66,7 +66,10 @@ HF_BAD: list[tuple[str, Any, str]] = [
     ("architectures", "LlamaForCausalLM", "a list of names"),
     ("attention_bias", "false", "true or false"),
     ("bos_token_id", -1, ">= 0"),
+    ("bos_token_id", 512, "below vocab_size \\(512\\)"),
     ("eos_token_id", [2, "x"], "an integer"),
+    ("eos_token_id", 10**12, "below vocab_size \\(512\\)"),  # issue 33 item 9
+    ("eos_token_id", [2, 512], "below vocab_size"),
 ]
 
 
@@ -197,6 +200,24 @@ def test_constructor_checks_its_fields() -> None:
         ("hidden_size", None),
         ("max_position_embeddings", 2**32),
         ("num_key_value_heads", 3),
+        ("bos_token_id", 512),
+        ("eos_token_ids", (2, 10**12)),
     ]:
         with pytest.raises(ValueError, match="model config: "):
             ModelConfig(**{**fields, key: value})
+
+
+def test_token_ids_past_the_vocabulary(tmp_path: Path) -> None:
+    """issue 33 item 9: an EOS id of 10**12 was accepted (a -1 was not). In config.json
+    and generation_config.json it is an error naming the file; a GGUF's is dropped, as
+    llama.cpp drops it."""
+    (tmp_path / "config.json").write_text(json.dumps(BASE_CONFIG))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 10**12]}))
+    with pytest.raises(ValueError, match=r"config\.json: generation_config eos_token_id is 1000"):
+        ModelConfig.from_hf_dir(tmp_path)
+    cfg = {k: v for k, v in BASE_CONFIG.items() if k != "bos_token_id"}
+    with pytest.raises(ValueError, match="generation_config bos_token_id is 512, expected a token"):
+        ModelConfig.from_hf_dict(cfg, {"bos_token_id": 512})
+    md = {**GGUF_BASE, "tokenizer.ggml.eos_token_id": 10**12, "tokenizer.ggml.eot_token_id": 2}
+    c = ModelConfig.from_gguf_metadata({**md, "tokenizer.ggml.bos_token_id": 512})
+    assert c.eos_token_ids == (2,) and c.bos_token_id is None

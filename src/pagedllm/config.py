@@ -9,9 +9,10 @@ accepted; a bool, a string, null or 2.5 is not); `num_attention_heads %
 num_key_value_heads == 0`; `head_dim` is even; `rope_theta` is finite and
 positive, `rms_norm_eps` finite and non-negative; `tie_word_embeddings` is a
 bool; `max_position_embeddings` is at most `MAX_POSITIONS`; `eos_token_ids`
-holds every id that ends a turn (Llama 3 Instruct has three). A value that
-breaks them is a `ValueError` naming the key (and the file, when read from
-one). Anything we do not support (another architecture, another RoPE type) is
+holds every id that ends a turn (Llama 3 Instruct has three); token ids are
+in [0, vocab_size) (a GGUF's id past them is dropped, as llama.cpp does). A
+value that breaks them is a `ValueError` naming the key (and the file, when
+read from one). Anything we do not support (another architecture, another RoPE type) is
 refused by name.
 """
 
@@ -85,9 +86,9 @@ class ModelConfig:
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             _fail(where, "rope_scaling", self.rope_scaling, "a RopeScaling or None")
         if self.bos_token_id is not None:
-            _as_int(self.bos_token_id, "bos_token_id", where, minimum=0)
+            _as_int(self.bos_token_id, "bos_token_id", where, 0, self.vocab_size - 1)
         for token_id in self.eos_token_ids:
-            _as_int(token_id, "eos_token_ids", where, minimum=0)
+            _as_int(token_id, "eos_token_ids", where, 0, self.vocab_size - 1)
 
     @property
     def q_size(self) -> int:
@@ -178,8 +179,12 @@ class ModelConfig:
         if rope_theta is None:  # transformers 5 moves theta into rope_parameters
             rope_theta = rope_parameters.get("rope_theta", 10000.0)
 
-        eos = _id_list(cfg.get("eos_token_id"), "eos_token_id", source)
+        # A token id names a row of the embeddings: one past them (10**12, say) is a
+        # corrupt file, and would index past the logits when EOS is masked.
+        vocab = _as_int(required("vocab_size"), "vocab_size", source)
+        eos = _id_list(cfg.get("eos_token_id"), "eos_token_id", source, vocab)
         bos = cfg.get("bos_token_id")
+        bos_key = "bos_token_id"
         gen_defaults: dict[str, Any] = {}
         if generation_config is not None:
             if not isinstance(generation_config, dict):
@@ -188,9 +193,12 @@ class ModelConfig:
                     "expected an object"
                 )
             gen_eos = generation_config.get("eos_token_id")
-            eos = _merge_ids(eos, _id_list(gen_eos, "generation_config eos_token_id", source))
+            eos = _merge_ids(
+                eos, _id_list(gen_eos, "generation_config eos_token_id", source, vocab)
+            )
             if bos is None:
                 bos = generation_config.get("bos_token_id")
+                bos_key = "generation_config bos_token_id"
             for key in (
                 "temperature",
                 "top_p",
@@ -202,7 +210,7 @@ class ModelConfig:
                 if key in generation_config:
                     gen_defaults[key] = generation_config[key]
         return cls(
-            vocab_size=_as_int(required("vocab_size"), "vocab_size", source),
+            vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=_as_int(required("intermediate_size"), "intermediate_size", source),
             num_hidden_layers=_as_int(required("num_hidden_layers"), "num_hidden_layers", source),
@@ -224,7 +232,7 @@ class ModelConfig:
                 1,
                 MAX_POSITIONS,
             ),
-            bos_token_id=None if bos is None else _as_int(bos, "bos_token_id", source, minimum=0),
+            bos_token_id=None if bos is None else _as_token_id(bos, bos_key, source, vocab),
             eos_token_ids=tuple(eos),
             generation_defaults=tuple(sorted(gen_defaults.items())),
         )
@@ -306,7 +314,11 @@ class ModelConfig:
         eos = _id_list(md.get("tokenizer.ggml.eos_token_id"), "tokenizer.ggml.eos_token_id", source)
         eot = md.get("tokenizer.ggml.eot_token_id")
         eos = _merge_ids(eos, _id_list(eot, "tokenizer.ggml.eot_token_id", source))
+        # An id past the vocabulary is ignored, as llama.cpp (and our GGUF tokenizer) do.
+        eos = [i for i in eos if i < vocab]
         bos = md.get("tokenizer.ggml.bos_token_id")
+        if bos is not None and _as_int(bos, "tokenizer.ggml.bos_token_id", source, 0) >= vocab:
+            bos = None
         # GGUF files from HF conversion have no output.weight when embeddings are tied;
         # the loader decides (it sees the tensor list). Default: tied.
         return cls(
@@ -462,12 +474,21 @@ def _parse_rope_scaling(rs: dict[str, Any] | None, source: str) -> RopeScaling |
     )
 
 
-def _id_list(value: Any, key: str, source: str) -> list[int]:
-    """A token id or a list of them (null: none), each a non-negative integer."""
+def _as_token_id(value: Any, key: str, source: str, vocab_size: int | None) -> int:
+    """A token id: a non-negative integer, below `vocab_size` when given."""
+    token_id = _as_int(value, key, source, minimum=0)
+    if vocab_size is not None and token_id >= vocab_size:
+        _fail(source, key, value, f"a token id below vocab_size ({vocab_size})")
+    return token_id
+
+
+def _id_list(value: Any, key: str, source: str, vocab_size: int | None = None) -> list[int]:
+    """A token id or a list of them (null: none), each a non-negative integer (below
+    `vocab_size` when given)."""
     if value is None:
         return []
     values = value if isinstance(value, (list, tuple)) else [value]
-    return [_as_int(v, key, source, minimum=0) for v in values]
+    return [_as_token_id(v, key, source, vocab_size) for v in values]
 
 
 def _merge_ids(a: list[int], b: list[int]) -> list[int]:
