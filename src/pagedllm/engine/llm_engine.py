@@ -42,13 +42,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.engine.stop_strings import StopStringMatcher
+from pagedllm.engine.request_text import RequestText
 from pagedllm.engine_config import EngineConfig
 from pagedllm.kv import BlockManager
 from pagedllm.request import FinishReason, Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import RequestRejected, RequestUpdate, Scheduler, SchedulerConfig
-from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
+from pagedllm.tokenizer import Tokenizer
 from pagedllm.utils import deferred_interrupts, plural
 
 if TYPE_CHECKING:
@@ -69,12 +69,12 @@ class RequestState:
     request: Request
     # Incremental detokenization runs only when someone reads text as it comes
     # (streaming or stop strings); otherwise the text is decoded once at the end.
-    detokenizer: IncrementalDetokenizer | None
-    stop_matcher: StopStringMatcher | None
+    text_state: RequestText | None
     text: str = ""  # text returned so far (stop strings removed)
     logprobs: list[Logprobs] | None = None
     prompt_logprobs: list[Logprobs | None] | None = None
     on_output: Callable[[StepOutput], None] | None = None  # see add_request
+    detokenize: bool = True  # False: ids only, its caller owns the text (add_request)
 
 
 @dataclass
@@ -247,6 +247,7 @@ class LLMEngine:
         stream: bool = False,
         incremental_text: bool = False,
         on_output: Callable[[StepOutput], None] | None = None,
+        detokenize: bool = True,
     ) -> Request:
         """Queue a request; raises RequestRejected (a ValueError) if it can never run.
 
@@ -254,7 +255,9 @@ class LLMEngine:
         `incremental_text` (implied by `stream` and `on_output`): each output
         carries the text of its new tokens; otherwise the text is decoded once,
         at the end. `on_output`: called with each of its outputs, on the thread
-        that steps the engine (the HTTP server's way; keep it short).
+        that steps the engine (keep it short). `detokenize=False`: its outputs
+        carry token ids only, and its caller matches stop strings itself (the
+        engine-core process of `pagedllm serve`: the HTTP process owns the text).
 
         All or nothing: a rejected request is never queued and leaves no state
         behind, so it costs the others nothing. `params` is validated again
@@ -269,14 +272,15 @@ class LLMEngine:
                 sampling_params=params,
                 eos_token_ids=self.eos_token_ids,
             )
-            if params.stop and self.tokenizer is None:
+            if params.stop and (self.tokenizer is None or not detokenize):
                 _reject(
                     req,
                     f"request {rid}: stop strings need a tokenizer, and this model has none; "
                     f"use stop_token_ids",
                 )
             incremental = incremental_text or stream or on_output is not None
-            state = self._new_state(req, incremental, on_output)
+            state = self._new_state(req, incremental and detokenize, on_output)
+            state.detokenize = detokenize
             with deferred_interrupts():
                 self.states[rid] = state
                 try:
@@ -296,28 +300,15 @@ class LLMEngine:
         on_output: Callable[[StepOutput], None] | None,
     ) -> RequestState:
         params = req.sampling_params
-        matcher = StopStringMatcher.from_params(params) if params.stop else None
-        detok = None
-        if self.tokenizer is not None and (incremental or matcher is not None):
-            detok = self._detokenizer(req)
+        text = None
+        if self.tokenizer is not None and (incremental or params.stop):
+            text = RequestText(self.tokenizer, params, req.prompt_token_ids)
         return RequestState(
             req,
-            detok,
-            matcher,
+            text,
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
             on_output=on_output,
-        )
-
-    def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
-        # The prompt's ids prime it: a prompt given as ids may end inside a
-        # UTF-8 character, which the first generated token then completes.
-        tok = self.tokenizer
-        assert tok is not None
-        return IncrementalDetokenizer(
-            tok,
-            prompt_ids=[t for t in req.prompt_token_ids if t < tok.vocab_size],
-            skip_special_tokens=req.sampling_params.skip_special_tokens,
         )
 
     def abort(self, req: Request | int, report: bool = True) -> None:
@@ -543,43 +534,25 @@ class LLMEngine:
 
     def _postprocess(self, req: Request, state: RequestState, new_ids: list[int]) -> StepOutput:
         finished = req.is_finished
-        if not finished and state.detokenizer is None:
-            return StepOutput(req, new_ids, "", False, state)  # no text read until the end
         tok = self.tokenizer
-        # A token that finished the request by id (EOS, stop_token_ids) is not text.
-        stopped_by_id = (
-            bool(req.is_finished and new_ids and req.stop_reason is not None)
-            and new_ids[-1] == req.stop_reason
-        )
-        text_ids = new_ids[:-1] if stopped_by_id else new_ids
-        piece = ""
-        if tok is not None and state.detokenizer is None and req.is_finished:
+        if tok is None or not state.detokenize or (not finished and state.text_state is None):
+            if finished:  # ids only, or no text read until the end
+                self.states.pop(req.request_id, None)
+            return StepOutput(req, new_ids, "", finished, state)
+        ids = new_ids
+        if state.text_state is None:
             # Nobody read the text as it came: decode all of it once, now.
-            state.detokenizer = self._detokenizer(req)
+            state.text_state = RequestText(tok, req.sampling_params, req.prompt_token_ids)
             ids = req.output_token_ids
-            text_ids = ids[:-1] if stopped_by_id else ids
-        if tok is not None and state.detokenizer is not None:
-            # An id past the tokenizer's vocabulary (a model with padded embedding
-            # rows) has no text; it must not take the request down.
-            piece = state.detokenizer.add_many([t for t in text_ids if t < tok.vocab_size])
-            if req.is_finished:
-                piece += state.detokenizer.finish()
-            if state.stop_matcher is not None:
-                piece = self._check_stop_strings(req, state.stop_matcher, piece)
+        piece, matched = state.text_state.feed(
+            ids, req.num_output_tokens, finished, req.stop_reason
+        )
+        if matched is not None:
+            self._finish(req, FinishReason.STOP, matched)  # over a length stop, too
         state.text += piece
         if req.is_finished:
             self.states.pop(req.request_id, None)
         return StepOutput(req, new_ids, piece, req.is_finished, state)
-
-    def _check_stop_strings(self, req: Request, matcher: StopStringMatcher, piece: str) -> str:
-        emit, matched = matcher.feed(
-            piece, check=req.num_output_tokens > req.sampling_params.min_tokens
-        )
-        if matched is not None:
-            self._finish(req, FinishReason.STOP, matched)  # over a length stop, too
-        elif req.is_finished:
-            emit += matcher.flush()
-        return emit
 
     def _finish(self, req: Request, reason: FinishReason, stop_reason: str | None = None) -> None:
         if req.is_finished:
