@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pagedllm.cli_errors import error
+
 PROG = "pagedllm inspect"
 
 
@@ -249,8 +251,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def inspect_main(argv: list[str]) -> int:
-    from pagedllm.cli import error
-
     args = build_parser().parse_args(argv)
     try:
         info = inspect_checkpoint(args.model)

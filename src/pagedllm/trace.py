@@ -37,6 +37,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from pagedllm.cli_errors import error
 from pagedllm.engine_args import add_engine_arguments, engine_config_from_args, positive_int
 
 PROG = "pagedllm trace"
@@ -290,8 +291,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def trace_main(argv: list[str]) -> int:
-    from pagedllm.cli import error
-
     parser = build_parser()
     args = parser.parse_args(argv)
     config = engine_config_from_args(args, parser).replace(

@@ -21,7 +21,7 @@ table, then one JSON line (last line of stdout). Logs go to stderr, so
 `... | tail -1` is the JSON record. The workloads and how each figure is
 measured: docs/benchmarks.md; the GPU protocol and vLLM's figures: docs/gpu.md.
 
-Errors, as every `pagedllm` command (`pagedllm/cli.py`): a bad option is a usage
+Errors, as every `pagedllm` command (`pagedllm/cli_errors.py`): a bad option is a usage
 error (exit 2, argparse's message), found before anything is loaded; a run
 that fails (a model that cannot be loaded) is one line
 `pagedllm bench: error: MESSAGE`, exit 1.
@@ -41,10 +41,9 @@ import sys
 import time
 from typing import Any
 
-# The CLI's argument types and its one-line error style (see pagedllm/cli.py).
 from pagedllm import cpu_threads
 from pagedllm.bench import workloads  # stdlib only: the defaults below
-from pagedllm.cli import error  # the one-line error style of every pagedllm command
+from pagedllm.cli_errors import error  # the one-line error style of every pagedllm command
 from pagedllm.engine_args import (
     add_engine_arguments,
     engine_config_from_args,
