@@ -66,6 +66,22 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def too_many_threads(threads: int) -> str | None:
+    """Why `threads` is more than this machine can run, or None when it is not.
+
+    The bound is the usable cores: a thread more than that only waits for a core
+    (see above: spinning threads collapse then), and far more fail outright
+    (5,000 hung for minutes, 20,000 failed in libgomp, 100,000 crashed the
+    process). Checked before a model loads (`EngineConfig`, the `--threads` flag)."""
+    cores = usable_cores()
+    if threads <= cores:
+        return None
+    return (
+        f"at most {cores}, the CPU cores this process may use, got {threads}; give 1 to "
+        f"{cores}, or leave it unset for the default ({max(1, cores - 1)})"
+    )
+
+
 def default_threads() -> int:
     """The policy's count when nobody chose one (see the module docstring)."""
     if os.environ.get("OMP_NUM_THREADS"):

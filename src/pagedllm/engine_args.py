@@ -75,6 +75,17 @@ def checked(parse: Callable[[str], Any], ok: Callable[[Any], bool], rule: str):
 positive_float = checked(number, lambda v: v > 0, "a number > 0")
 positive_int = checked(whole_number, lambda v: v >= 1, "a whole number >= 1")
 power_of_two = checked(positive_int, lambda v: v & (v - 1) == 0, "a power of two (8, 16, 32...)")
+
+
+def thread_count(text: str) -> int:
+    """--threads: a whole number from 1 to the usable cores (checked before the load)."""
+    value = positive_int(text)
+    too_many = cpu_threads.too_many_threads(value)
+    if too_many:
+        raise argparse.ArgumentTypeError(f"must be {too_many}")
+    return value
+
+
 model_len = checked(whole_number, lambda v: v >= 2, "a whole number >= 2 (prompt + output tokens)")
 
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
@@ -162,7 +173,12 @@ _FLAGS: dict[str, _Flag] = {
     ),
     "max_num_seqs": _Flag("most requests running at once", positive_int, "N"),
     "max_num_batched_tokens": _Flag("token budget of one step", positive_int, "N"),
-    "threads": _Flag("torch CPU threads", positive_int, "N", unset=cpu_threads.POLICY_SUMMARY),
+    "threads": _Flag(
+        "torch CPU threads, at most the usable cores",
+        thread_count,
+        "N",
+        unset=cpu_threads.POLICY_SUMMARY,
+    ),
     "ops": _Flag(
         "kernels: reference (plain PyTorch), triton, or auto (triton on CUDA)",
         choices=OPS_CHOICES,

@@ -18,6 +18,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pagedllm import cpu_threads  # stdlib only until a policy is applied
+
 BATCHING_POLICIES = ("continuous", "static")
 # "reserve": the seed's policy. A request reserves every page it can ever write
 # at admission (ceil((prompt + max_tokens - 1) / block_size)); nothing is ever
@@ -102,6 +104,9 @@ class EngineConfig:
             _check_int("max_model_len", self.max_model_len, 2)
         if self.threads is not None:
             _check_int("threads", self.threads, 1)
+            too_many = cpu_threads.too_many_threads(self.threads)
+            if too_many:
+                raise ValueError(f"threads must be {too_many}")
         mib = self.kv_cache_mib
         if mib is not None and (
             isinstance(mib, bool)
