@@ -65,6 +65,16 @@ def tiny_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture
+def no_load(monkeypatch):
+    """Loading a model fails the test: the options were to be refused first."""
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the model was loaded, but the options were bad")
+
+    monkeypatch.setattr("pagedllm.bench.cli.load_model", boom)
+
+
 def _last_json(out: str) -> dict:
     lines = out.strip().splitlines()
     return json.loads(lines[-1])
@@ -182,6 +192,53 @@ def test_a_model_that_cannot_be_loaded_is_a_failed_run(tmp_path, capsys):
     lines = [line for line in err.splitlines() if "error" in line]
     assert len(lines) == 1 and lines[0].startswith("pagedllm bench: error: "), err
     assert "Traceback" not in err
+
+
+# ------------------------------------------------------- --json (issue 33, item 12)
+@pytest.mark.parametrize(
+    "contents", ["my notes\n", '{"tokens_per_s": 1}\n', '{"command": "pagedllm serve"}\n']
+)
+def test_json_refuses_a_file_that_is_not_a_bench_record(contents, tmp_path, no_load, capsys):
+    """A file that holds anything but an earlier record is refused before anything loads,
+    and keeps its bytes."""
+    path = tmp_path / "notes.json"
+    path.write_text(contents)
+    assert bench_main(["latency", "--json", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "pagedllm bench: error: --json " in err and "not a pagedllm bench record" in err
+    assert path.read_text() == contents
+
+
+def test_json_refuses_a_directory_and_a_missing_directory(tmp_path, no_load, capsys):
+    assert bench_main(["latency", "--json", str(tmp_path)]) == 2
+    assert bench_main(["latency", "--json", str(tmp_path / "no" / "such.json")]) == 2
+    err = capsys.readouterr().err
+    assert "is a directory" in err and "no such directory" in err
+
+
+def test_json_replaces_an_earlier_record(tiny_dir, tmp_path, capsys):
+    """A rerun replaces its own record (and an empty file is written), as documented."""
+    path = tmp_path / "latency.json"
+    argv = ["latency", "--model", str(tiny_dir), *SMALL, "--prompt-len", "8", "--output-len", "4"]
+    path.write_text("")
+    assert bench_main([*argv, "--json", str(path)]) == 0
+    first = json.loads(path.read_text())
+    assert bench_main([*argv, "--runs", "2", "--json", str(path)]) == 0
+    second = json.loads(path.read_text())
+    assert first["options"].get("runs") is None and second["options"]["runs"] == 2
+    assert second == _last_json(capsys.readouterr().out)
+
+
+def test_write_json_refuses_what_check_json_path_refuses(tmp_path):
+    """The last guard: a file that appeared during the run is not overwritten either."""
+    from pagedllm.bench import report
+
+    path = tmp_path / "r.json"
+    path.write_text("keep me")
+    with pytest.raises(ValueError, match="not a pagedllm bench record"):
+        report.write_json({"command": "pagedllm bench latency"}, str(path))
+    assert path.read_text() == "keep me"
+    assert report.is_bench_record('{"command": "pagedllm bench serve --request-rate 4"}')
 
 
 # ----------------------------------------------------------------- the peer

@@ -201,7 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="transformers CB tokens per step (default: its own on CUDA, 512 on CPU)",
     )
-    o.add_argument("--json", metavar="PATH", help="also write the JSON line to PATH")
+    o.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the JSON line to PATH: a new file, or one that holds an earlier "
+        "record (replaced); any other file is refused",
+    )
     return p
 
 
@@ -217,7 +222,10 @@ def bench_main(argv: list[str]) -> int:
     if argv and argv[0] == "serve":  # an HTTP client: none of the engine's flags apply
         from pagedllm.bench import serve_bench
 
-        return serve_bench.main(argv[1:])
+        try:
+            return serve_bench.main(argv[1:])
+        except ValueError as e:  # --json refused after the run (its record is on stdout)
+            return error(f"{PROG} serve", e)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -282,6 +290,13 @@ def _check(
         and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot)))
     ):
         parser.error(f"--plot {args.plot}: no such directory")
+    if args.json:
+        from pagedllm.bench import report
+
+        try:
+            report.check_json_path(args.json)  # before the run: nothing is overwritten
+        except ValueError as e:
+            parser.error(str(e))
     if args.workload == "pages" and args.kv_cache_mib is None:
         args.kv_cache_mib = PAGES_KV_CACHE_MIB  # a tight pool is the point of the sweep
     return engine_config_from_args(args, parser)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pagedllm.bench.result import BenchResult
@@ -287,6 +288,51 @@ def emit(record: dict[str, Any], table: str, json_path: str | None) -> None:
         write_json(record, json_path)
 
 
+# A file larger than this is no record of ours (one is a few KiB; `pages` about 10).
+_RECORD_MAX_BYTES = 1 << 20
+
+
+def is_bench_record(text: str) -> bool:
+    """Whether `text` is one record that `pagedllm bench` wrote (its "command" says so)."""
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return False
+    command = record.get("command") if isinstance(record, dict) else None
+    return isinstance(command, str) and command.startswith("pagedllm bench")
+
+
+def check_json_path(path: str) -> None:
+    """Raise ValueError unless `--json PATH` may be written: a new file, an empty one,
+    or one that holds an earlier record of `pagedllm bench` (replaced, as a rerun
+    replaces its figures). Anything else there would be lost, so it is refused."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"--json {path}: is a directory; give a file path")
+    if not p.parent.is_dir():
+        raise ValueError(f"--json {path}: no such directory ({p.parent})")
+    if not p.exists():
+        return
+    if not p.is_file():
+        raise ValueError(f"--json {path}: not a regular file; give a file path")
+    size = p.stat().st_size
+    if size == 0:
+        return
+    try:
+        text = p.read_text(encoding="utf-8") if size <= _RECORD_MAX_BYTES else ""
+    except (OSError, UnicodeDecodeError):
+        text = ""
+    if not is_bench_record(text):
+        raise ValueError(
+            f"--json {path}: the file exists and is not a pagedllm bench record "
+            f"({size:,} bytes); writing the record would replace it: give a new path, "
+            "or move the file away first"
+        )
+
+
 def write_json(record: dict[str, Any], path: str) -> None:
+    """Write the record as one line to `path`, replacing an earlier record there (never
+    another file: `check_json_path`; the record is on stdout already when this refuses)."""
+    check_json_path(path)
     with open(path, "w") as f:
         f.write(json.dumps(record) + "\n")
