@@ -194,6 +194,29 @@ def test_a_model_that_cannot_be_loaded_is_a_failed_run(tmp_path, capsys):
     assert "Traceback" not in err
 
 
+# ------------------------------------------------ help and wording (issue 33, item 15)
+def test_help_lists_every_workload_serve_included(capsys):
+    assert bench_main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "{throughput,latency,ttft,prefix,pages,serve}" in out
+
+
+def test_serve_after_engine_options_says_to_name_it_first(no_load, capsys):
+    assert bench_main(["--threads", "1", "serve"]) == 2
+    err = capsys.readouterr().err
+    assert "pagedllm bench: error: serve is an HTTP client" in err and "name it first" in err
+
+
+def test_workload_descriptions_agree_in_number():
+    assert latency_workload(1, 1).description == "batch 1, prompt 1 token, 1 new token"
+    assert latency_workload(2, 3).description == "batch 1, prompt 2 tokens, 3 new tokens"
+    assert ttft_workload(1).description == "one request, prompt 1 token, max_tokens 1"
+    assert draw_throughput(1).description.startswith("1 request drawn with")
+    assert prefix_workload(1, 4, 2, 1).description == (
+        "1 request sharing a 4-token prefix, each with its own 2-token suffix, 1 new token"
+    )
+
+
 # ------------------------------------------------------- --json (issue 33, item 12)
 @pytest.mark.parametrize(
     "contents", ["my notes\n", '{"tokens_per_s": 1}\n', '{"command": "pagedllm serve"}\n']

@@ -409,6 +409,15 @@ def test_stats_read_engine_totals_and_last_call(fake, capsys):
     assert "prefix cache                    off (--no-prefix-caching)" in capsys.readouterr().out
 
 
+def test_stats_count_one_token_in_the_singular(fake, capsys):
+    """Issue 33, item 15: "1 token", never "1 tokens"."""
+    fake.outputs = [_out()]
+    fake.outputs[0].token_ids = [5]
+    assert cli.main(["--stats", "hi", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "(1 token, length)" in out and "1 tokens" not in out
+
+
 @pytest.mark.parametrize("kind", ["missing", "garbage gguf", "truncated gguf", "bad config"])
 def test_a_bad_model_file_is_one_line(kind, tmp_path, capsys):
     if kind == "missing":

@@ -50,3 +50,21 @@ def test_a_subcommand_module_loads_without_the_generate_command() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
     )
     assert out.stdout.strip() == "False", out.stderr
+
+
+# ------------------------------------------------------------------ item 15
+def test_a_header_one_byte_short_says_1_byte(tmp_path: Path) -> None:
+    """The header reader's messages agree in number: "needs 1 byte", not "1 bytes"."""
+    import struct
+
+    import pytest
+
+    from pagedllm.gguf_metadata import BOOL, read_gguf_metadata
+
+    key = b"a"
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+    path = tmp_path / "short.gguf"
+    path.write_bytes(header + struct.pack("<I", BOOL))  # the bool's one byte is missing
+    with pytest.raises(ValueError, match="needs 1 byte at offset") as e:
+        read_gguf_metadata(path)
+    assert "1 bytes" not in str(e.value)

@@ -59,6 +59,7 @@ from pagedllm.engine_args import (
 )
 from pagedllm.engine_config import EngineConfig
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.utils import plural
 
 SUBCOMMANDS = ("tokenize", "detokenize", "bench", "serve", "trace", "inspect")
 PROG = "pagedllm"
@@ -385,7 +386,9 @@ def generate_main(argv: list[str]) -> int:
         from pagedllm.plots import plot_run
 
         try:
-            title = f"{len(prompts)} prompts, {llm.stats()['pages_total']} pages"
+            title = (
+                f"{plural(len(prompts), 'prompt')}, {plural(llm.stats()['pages_total'], 'page')}"
+            )
             for path in plot_run(llm.engine.recorder, args.plot, title):
                 log(f"wrote {path}")
         except (ValueError, OSError) as e:
@@ -498,8 +501,8 @@ def print_stats(
         ("prefix cache", reused),
         (
             "KV pages",
-            f"{s['pages_total']} of {s['block_size']} tokens, {s['pages_total_mib']:.1f} MiB"
-            + (f" of {dtype}" if dtype else ""),
+            f"{s['pages_total']} of {plural(s['block_size'], 'token')}, "
+            f"{s['pages_total_mib']:.1f} MiB" + (f" of {dtype}" if dtype else ""),
         ),
         (
             "KV pages in use at the peak",
@@ -521,7 +524,7 @@ def print_stats(
     for i, o in enumerate(outputs):
         ttft = "-" if o.time_to_first_token is None else f"{1e3 * o.time_to_first_token:.1f} ms"
         label = f"time to first token [{i}]"
-        print(f"{label:<32}{ttft}  ({len(o.token_ids)} tokens, {o.finish_reason})")
+        print(f"{label:<32}{ttft}  ({plural(len(o.token_ids), 'token')}, {o.finish_reason})")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from pagedllm.utils import plural
+
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 MAX_ARRAY_NESTING = 8  # arrays of arrays are legal; deeper than this is corruption
@@ -66,7 +68,8 @@ class GGUFCursor:
         """Claim `n` bytes; returns where they start."""
         if n > self.size - self.pos:
             self.fail(
-                f"truncated: {what} needs {n} bytes at offset {self.pos}, file is {self.size}"
+                f"truncated: {what} needs {plural(n, 'byte')} at offset {self.pos}, "
+                f"file is {self.size}"
             )
         start = self.pos
         self.pos += n
@@ -102,7 +105,9 @@ class GGUFCursor:
             (n,) = unpack(buf, pos)
             pos += 8
             if n > size - pos:
-                self.fail(f"truncated inside {what}: a string of {n} bytes at offset {pos}")
+                self.fail(
+                    f"truncated inside {what}: a string of {plural(n, 'byte')} at offset {pos}"
+                )
             append(self._decode(buf[pos : pos + n], what))
             pos += n
         self.pos = pos
@@ -158,8 +163,8 @@ def read_header(
     # cannot fit is corruption, reported before we loop on it.
     if n_kv * 13 + n_tensors * 24 > cur.size - cur.pos:
         fail(
-            f"truncated or corrupt: {n_kv} key/values and {n_tensors} tensors cannot fit "
-            f"in the {cur.size - cur.pos} bytes left"
+            f"truncated or corrupt: {plural(n_kv, 'key/value')} and {plural(n_tensors, 'tensor')} "
+            f"cannot fit in the {plural(cur.size - cur.pos, 'byte')} left"
         )
     metadata: dict[str, Any] = {}
     for i in range(n_kv):
@@ -187,7 +192,7 @@ def read_gguf_metadata(path: str | os.PathLike[str], prefix: str = "") -> dict[s
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < 24:
-                fail(f"file is {size} bytes, too short for a GGUF header")
+                fail(f"file is {plural(size, 'byte')}, too short for a GGUF header")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
                 _, _, metadata = read_header(GGUFCursor(buf, size, fail), fail)
     except OSError as e:

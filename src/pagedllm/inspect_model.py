@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.cli_errors import error
+from pagedllm.utils import plural
 
 PROG = "pagedllm inspect"
 
@@ -149,19 +150,24 @@ def _shape(shape: Sequence[int]) -> str:
     return " x ".join(map(str, shape)) if shape else "scalar"
 
 
+def _sharing(group: int) -> str:
+    return "one per query head" if group == 1 else f"{group} query heads share each"
+
+
 def format_config(info: dict[str, Any]) -> str:
     c, s = info["config"], info["summary"]
     if info["format"] == "gguf":
         g = info["gguf"]
         head = (
-            f"GGUF v{g['version']}: {g['metadata_keys']} metadata keys, {s['tensors']} tensors, "
+            f"GGUF v{g['version']}: {plural(g['metadata_keys'], 'metadata key')}, "
+            f"{plural(s['tensors'], 'tensor')}, "
             f"data from byte {g['data_offset']:,} (aligned to {g['alignment']})"
         )
         arch = f"{c['architecture']} ({c['name']})" if c["name"] else c["architecture"]
         tied = "tied: the embedding table (the file has no output.weight)"
     else:
         files = info["files"]
-        head = f"safetensors: {len(files)} file{'s' * (len(files) > 1)}, {s['tensors']} tensors"
+        head = f"safetensors: {plural(len(files), 'file')}, {plural(s['tensors'], 'tensor')}"
         arch = c["architecture"]
         tied = "tied: the embedding table (tie_word_embeddings)"
     heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
@@ -179,7 +185,7 @@ def format_config(info: dict[str, Any]) -> str:
         ("hidden size E", c["hidden_size"]),
         ("intermediate I", c["intermediate_size"]),
         ("query heads H", heads),
-        ("KV heads Hkv", f"{kv} ({heads // kv} query heads share each)"),
+        ("KV heads Hkv", f"{kv} ({_sharing(heads // kv)})"),
         ("head dim D", c["head_dim"]),
         ("vocab V", c["vocab_size"]),
         ("context", f"{c['max_position_embeddings']} positions"),

@@ -39,6 +39,7 @@ from typing import Any
 
 from pagedllm.cli_errors import error
 from pagedllm.engine_args import add_engine_arguments, engine_config_from_args, positive_int
+from pagedllm.utils import plural
 
 PROG = "pagedllm trace"
 SHOWN = 8  # values shown of each id list
@@ -225,7 +226,7 @@ def format_record(r: dict[str, Any]) -> str:
         lines.append(f"scheduler: runs {ran}")
         for a in sc["admitted"]:
             lines.append(
-                f"  admitted r{a['request']} ({a['cached_prompt_tokens']} prompt tokens "
+                f"  admitted r{a['request']} ({plural(a['cached_prompt_tokens'], 'prompt token')} "
                 "from the prefix cache)"
             )
         if sc["preempted"]:

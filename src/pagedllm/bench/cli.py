@@ -1,4 +1,4 @@
-"""`pagedllm bench throughput | latency | ttft | prefix | pages`: the workloads, in one command.
+"""`pagedllm bench throughput | latency | ttft | prefix | pages | serve`: the workloads.
 
     pagedllm bench latency --peer hf                          # SmolLM2 on this CPU
     pagedllm bench throughput --preset llama-3.2-1b --load-format dummy --peer hf
@@ -59,9 +59,11 @@ from pagedllm.model_source import (
     load_model,
     model_spec_from_args,
 )
+from pagedllm.utils import plural
 
 PROG = "pagedllm bench"
 WORKLOADS = ("throughput", "latency", "ttft", "prefix", "pages")
+SERVE = "serve"  # an HTTP client with its own options: bench_main hands it on (serve_bench.py)
 DEFAULTS = {  # per workload: (prompt_len, output_len, runs); docs/gpu.md's shapes
     "latency": (128, 512, 1),
     "ttft": (1024, 1, 5),
@@ -106,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("workload", choices=WORKLOADS)
+    p.add_argument("workload", choices=(*WORKLOADS, SERVE))  # --help lists every one
     groups = add_engine_arguments(p)  # --model, --device, --dtype; --kv-cache-mib, ...
     add_model_source_arguments(groups["model"])  # --preset, --load-format
     w = p.add_argument_group("workload")
@@ -219,7 +221,7 @@ def _page_sizes(text: str) -> tuple[int, ...]:
 
 
 def bench_main(argv: list[str]) -> int:
-    if argv and argv[0] == "serve":  # an HTTP client: none of the engine's flags apply
+    if argv and argv[0] == SERVE:  # an HTTP client: none of the engine's flags apply
         from pagedllm.bench import serve_bench
 
         try:
@@ -264,6 +266,11 @@ def _check(
 
     Returns the engine settings the flags describe.
     """
+    if args.workload == SERVE:  # options came before it: they would be the engine's
+        parser.error(
+            "serve is an HTTP client with options of its own: name it first, "
+            "`pagedllm bench serve [options]` (see `pagedllm bench serve --help`)"
+        )
     model_spec_from_args(parser, args)  # --model / --preset / --load-format contradictions
     if args.workload == "ttft" and args.output_len not in (None, 1):
         parser.error("ttft makes exactly one token; --output-len does not apply")
@@ -437,8 +444,9 @@ def _run_settings(model, settings: dict[str, Any], changes: dict[str, Any], work
     n = result.notes
     _log(
         f"pagedllm {what}: {_headline('throughput', result)}, prefix cache hit rate "
-        f"{100 * n['prefix_cache_hit_rate']:.1f}%, {n['admission_waits']} admission waits, "
-        f"{n['preemptions']} preemptions, peak {n['pages_peak_used']} of {n['pages_total']} pages"
+        f"{100 * n['prefix_cache_hit_rate']:.1f}%, {plural(n['admission_waits'], 'admission wait')}, "
+        f"{plural(n['preemptions'], 'preemption')}, peak {n['pages_peak_used']} of "
+        f"{plural(n['pages_total'], 'page')}"
     )
     return result
 
@@ -518,8 +526,9 @@ def _check_pool_fits(
         need = math.ceil((longest - 1) / bs)
         if pages < need:
             raise ValueError(
-                f"--kv-cache-mib {mib:g} holds {pages} pages of {bs} tokens, but the longest "
-                f"request ({longest} tokens) needs {need}: raise --kv-cache-mib, or shorten "
+                f"--kv-cache-mib {mib:g} holds {plural(pages, 'page')} of {plural(bs, 'token')}, "
+                f"but the longest request ({plural(longest, 'token')}) needs {need}: raise "
+                "--kv-cache-mib, or shorten "
                 "the requests (--max-prompt-len, --max-output-len)"
             )
 
@@ -537,7 +546,8 @@ def _plot_run(args, model, settings: dict[str, Any], work, context) -> None:
     try:
         llm.engine.recorder = StepRecorder()
         ours._generate(llm, work)
-        title = f"{args.workload}: {work.num_requests} requests, {llm.stats()['pages_total']} pages"
+        pages = plural(llm.stats()["pages_total"], "page")
+        title = f"{args.workload}: {plural(work.num_requests, 'request')}, {pages}"
         for path in plot_run(llm.engine.recorder, args.plot, title):
             _log(f"wrote {path}")
     finally:

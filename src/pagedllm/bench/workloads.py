@@ -15,6 +15,8 @@ import math
 import random
 from dataclasses import dataclass
 
+from pagedllm.utils import plural
+
 THROUGHPUT_NUM_REQUESTS = 256
 THROUGHPUT_SUM_MAX_TOKENS = 133_966  # sum(max_tokens) of the 256-request draw
 DRAW_MIN_LEN, DRAW_MAX_LEN = 100, 1024  # prompt and output lengths are drawn in this range
@@ -83,7 +85,7 @@ def draw_throughput(
     prompts = [fold_to_vocab(p[: _scale(len(p), max_prompt_len)], vocab_size) for p in prompts]
     max_tokens = [_scale(m, max_output_len) for m in max_tokens]
     scaled = max_prompt_len is not None or max_output_len is not None
-    desc = f"{num_requests} requests drawn with random.Random(0) as in docs/gpu.md"
+    desc = f"{plural(num_requests, 'request')} drawn with random.Random(0) as in docs/gpu.md"
     if scaled:
         desc += (
             f", lengths scaled to prompt <= {max_prompt_len or DRAW_MAX_LEN}, "
@@ -106,7 +108,7 @@ def latency_workload(
         "latency",
         [random_prompt(prompt_len, vocab_size)],
         [output_len],
-        f"batch 1, prompt {prompt_len} tokens, {output_len} new tokens",
+        f"batch 1, prompt {plural(prompt_len, 'token')}, {plural(output_len, 'new token')}",
     )
 
 
@@ -116,7 +118,7 @@ def ttft_workload(prompt_len: int = 1024, vocab_size: int | None = None) -> Work
         "ttft",
         [random_prompt(prompt_len, vocab_size)],
         [1],
-        f"one request, prompt {prompt_len} tokens, max_tokens 1",
+        f"one request, prompt {plural(prompt_len, 'token')}, max_tokens 1",
     )
 
 
@@ -148,8 +150,8 @@ def prefix_workload(
         "prefix",
         prompts,
         [output_len] * num_requests,
-        f"{num_requests} requests sharing a {prefix_len}-token prefix, each with its own "
-        f"{suffix_len}-token suffix, {output_len} new tokens",
+        f"{plural(num_requests, 'request')} sharing a {prefix_len}-token prefix, each with its "
+        f"own {suffix_len}-token suffix, {plural(output_len, 'new token')}",
     )
 
 

@@ -52,6 +52,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pagedllm.gguf_metadata import GGUFCursor, read_header
+from pagedllm.utils import plural
 
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS in ggml.h
@@ -238,7 +239,9 @@ class GGUFFile:
             with open(self.path, "rb") as f:
                 self.file_size = os.fstat(f.fileno()).st_size
                 if self.file_size < 24:
-                    self._fail(f"file is {self.file_size} bytes, too short for a GGUF header")
+                    self._fail(
+                        f"file is {plural(self.file_size, 'byte')}, too short for a GGUF header"
+                    )
                 # Copy-on-write so torch gets writable buffers; nothing is ever written back.
                 self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except OSError as e:
@@ -289,7 +292,7 @@ class GGUFFile:
             if rel_offset != expected:
                 self._fail(
                     f"tensor {name!r} has offset {rel_offset}, expected {expected}: tensors "
-                    f"must be packed in table order, each padded to {alignment} bytes "
+                    f"must be packed in table order, each padded to {plural(alignment, 'byte')} "
                     "(llama.cpp refuses this file too); the tensor table is corrupt, or a "
                     "tensor's type or shape was changed"
                 )
@@ -304,8 +307,10 @@ class GGUFFile:
             name, _, _, rel_offset, nbytes = infos[-1]
             data_end = data_start + rel_offset + nbytes
             if self.file_size > data_start + expected:
+                extra = self.file_size - data_end
                 self._fail(
-                    f"{self.file_size - data_end} bytes follow the last tensor {name!r}, which "
+                    f"{plural(extra, 'byte')} follow{'s' * (extra == 1)} the last tensor "
+                    f"{name!r}, which "
                     f"ends at {data_end} (at most its padding to {alignment} is allowed): the "
                     "tensor table does not describe this file; was a tensor's type or shape "
                     "changed?"
@@ -414,7 +419,9 @@ class GGUFFile:
         self.close()
 
     def __repr__(self) -> str:
-        return f"GGUFFile({str(self.path)!r}, v{self.version}, {len(self._tensors)} tensors)"
+        return (
+            f"GGUFFile({str(self.path)!r}, v{self.version}, {plural(len(self._tensors), 'tensor')})"
+        )
 
 
 # ----- Llama: GGUF names -> Hugging Face names ------------------------------------------------
@@ -532,7 +539,10 @@ def load_gguf_state_dict(
                 )
             plan[name] = target
         if unknown:
-            message = f"{g.path}: {len(unknown)} tensors have no Llama mapping: {unknown[:5]}"
+            have = "has" if len(unknown) == 1 else "have"
+            message = (
+                f"{g.path}: {plural(len(unknown), 'tensor')} {have} no Llama mapping: {unknown[:5]}"
+            )
             if strict:
                 raise ValueError(message + " (pass strict=False to skip them)")
             warnings.warn(message + "; skipped", stacklevel=2)
