@@ -30,6 +30,25 @@ def tour_commands() -> list[tuple[str, str]]:
     return found
 
 
+STEPS_ROW = re.compile(r"^engine steps \(all-decode\) +(\d+ \(\d+\))$", flags=re.M)
+
+
+def quoted_step_rows(page: str) -> set[str]:
+    """The `engine steps (all-decode)` values a page quotes from `--stats`."""
+    return set(STEPS_ROW.findall((TOUR / page).read_text()))
+
+
+def test_the_batching_chapter_quotes_the_steps_its_table_counts():
+    """Chapter 11 once said `--stats` had no step counts (issue 33, item 16): it has
+    them, and the chapter's table and its quoted `--stats` rows agree."""
+    text = (TOUR / "11-batching.md").read_text()
+    table = re.search(r"\| steps for all three \| (\d+) \| (\d+) \|", text)
+    assert table is not None
+    rows = STEPS_ROW.findall(text)  # continuous, then static
+    assert [row.split()[0] for row in rows] == [table[1], table[2]]
+    assert "does not print" not in text
+
+
 def test_the_tour_has_commands():
     assert len(tour_commands()) >= 2
 
@@ -40,7 +59,14 @@ def test_tour_command_runs(page, command, tmp_path, monkeypatch, smollm2, capsys
     if "--plot" in argv:
         pytest.importorskip("matplotlib")
     monkeypatch.chdir(tmp_path)  # out/ and the like land here
-    assert main(argv) == 0, capsys.readouterr().err
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    quoted = quoted_step_rows(page)
+    if "--stats" in argv and quoted and ("\n" + command[:40]) in (TOUR / page).read_text():
+        # A page that quotes `--stats`' step rows quotes what its (unindented) commands print.
+        printed = STEPS_ROW.findall(out)
+        assert printed and printed[-1] in quoted, (printed, quoted)
     if "--plot" in argv:
         out = tmp_path / argv[argv.index("--plot") + 1]
         assert sorted(p.name for p in out.glob("*.png")) == [
