@@ -617,3 +617,43 @@ def test_fuzz_corrupt_gguf_gives_value_error_or_valid_parse(
                         g.load_tensor(name)
         except ValueError as e:
             assert "fuzz.gguf" in str(e)
+
+
+# ----------------------------------------------------------- issue 33, item 20
+def test_inspect_of_a_gguf_runs_without_torch(tmp_path: Path) -> None:
+    """`pagedllm inspect` reads headers only: with `import torch` made to fail (None in
+    sys.modules, as a missing package), it still prints the config and tensor table."""
+    import subprocess
+    import sys
+
+    path = loadable_llama(tmp_path / "tiny.gguf")
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "try:\n    import torch\nexcept ImportError:\n    pass\n"
+        "else:\n    raise SystemExit('torch was not blocked')\n"
+        "from pagedllm.cli import main\n"
+        "raise SystemExit(main(sys.argv[1:]))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, "inspect", "--model", str(path), "--tensors"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "Traceback" not in run.stderr
+    assert "GGUF v3" in run.stdout and "layers" in run.stdout
+    rows = run.stdout.splitlines()
+    for name, (qtype, shape) in tiny_llama_tensors(tied=True).items():
+        (row,) = [r for r in rows if f"  {name}  " in r]  # the name column, padded
+        assert f"  {qtype.name}  " in row and f"  {' x '.join(map(str, shape))}  " in row
+
+
+def test_inspect_counts_one_tensor_in_the_singular(tmp_path: Path, capsys) -> None:
+    """Issue 33, item 15: a file of one tensor says "1 tensor"."""
+    from pagedllm.cli import main
+
+    path = write_gguf(tmp_path / "one.gguf", {"token_embd.weight": (Q.F32, (50, 64))}, LLAMA_KV)
+    assert main(["inspect", "--model", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert ", 1 tensor, " in out and "1 tensors" not in out

@@ -7,8 +7,6 @@ does that at load time).
 
 from typing import Any
 
-from pagedllm.weights.safetensors import SafetensorsFile, load_hf_state_dict, load_safetensors_dir
-
 __all__ = [
     "GGUFFile",
     "SafetensorsFile",
@@ -19,10 +17,15 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # GGUF support needs the `gguf` package; import it only when asked, so that
-    # safetensors loading works where gguf is not installed (the GPU machine).
+    # Each reader is imported when asked for: GGUF support needs the `gguf` package
+    # (safetensors loading works where it is missing: the GPU machine), and the
+    # safetensors reader imports torch (a GGUF's headers are read without it).
     if name in ("GGUFFile", "load_gguf_state_dict"):
         from pagedllm.weights import gguf
 
         return getattr(gguf, name)
+    if name in ("SafetensorsFile", "load_hf_state_dict", "load_safetensors_dir"):
+        from pagedllm.weights import safetensors
+
+        return getattr(safetensors, name)
     raise AttributeError(f"module 'pagedllm.weights' has no attribute {name!r}")

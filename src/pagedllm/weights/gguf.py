@@ -30,6 +30,10 @@ Invariants, checked on open (any violation is a `ValueError` naming the file):
 Types we cannot dequantize are listed by `tensor_info` and refused by name
 when loaded.
 
+torch is imported where a tensor is made, not with the module: the header
+parser (`GGUFFile`, `tensor_info`, `hf_name`) runs without it, so `pagedllm
+inspect` of a GGUF needs no torch.
+
 Shapes: GGUF lists dimensions fastest-first (`ne[0]` is the row length), so
 a weight listed `[in, out]` is the torch `(out, in)` matrix. Everything this
 module returns uses torch order.
@@ -45,14 +49,16 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
-import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pagedllm.gguf_metadata import GGUFCursor, read_header
 from pagedllm.utils import plural
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS in ggml.h
@@ -71,10 +77,14 @@ Q = GGMLQuantizationType
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """The float16 at byte `start` of every block, as (N, 1) float32."""
+    import torch
+
     return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
 
 
 def _shifts(values: list[int], shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    import torch
+
     return torch.tensor(values, dtype=torch.uint8, device=device).view(shape)
 
 
@@ -87,6 +97,8 @@ def _nibbles(qs: torch.Tensor, groups: int) -> torch.Tensor:
 
 def _deq_q8_0(b: torch.Tensor) -> torch.Tensor:
     # block: f16 d | 32 x int8 q ; x = d * q
+    import torch
+
     d = _f16(b, 0)  # (N, 1)
     q = b[:, 2:].contiguous().view(torch.int8).float()  # (N, 32)
     return q * d
@@ -114,6 +126,8 @@ def _k_scales_mins(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     the low 4 bits of scales 4-7 (low nibble) and mins 4-7 (high nibble).
     Returns (N, 8, 1) float32 each: d * scale and dmin * min.
     """
+    import torch
+
     n = b.shape[0]
     packed = b[:, 4:16].reshape(n, 3, 4)
     sc_lo, mn_lo, hi = packed[:, 0], packed[:, 1], packed[:, 2]  # (N, 4) each
@@ -147,6 +161,8 @@ def _deq_q5_k(b: torch.Tensor) -> torch.Tensor:
 def _deq_q6_k(b: torch.Tensor) -> torch.Tensor:
     # block (256): 128 bytes low nibbles | 64 bytes 2-bit highs | 16 x int8 scales | f16 d
     # 16 sub-blocks of 16: x = d * scale_j * (q - 32)
+    import torch
+
     n = b.shape[0]
     low = _nibbles(b[:, :128], 2).reshape(n, 8, 32)
     qh = b[:, 128:192].reshape(n, 2, 1, 32)
@@ -165,10 +181,10 @@ _DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]
     Q.Q5_K: _deq_q5_k,
     Q.Q6_K: _deq_q6_k,
 }
-_FLOAT_TYPES: dict[GGMLQuantizationType, torch.dtype] = {
-    Q.F32: torch.float32,
-    Q.F16: torch.float16,
-    Q.BF16: torch.bfloat16,
+_FLOAT_TYPES: dict[GGMLQuantizationType, str] = {  # the torch dtype's name
+    Q.F32: "float32",
+    Q.F16: "float16",
+    Q.BF16: "bfloat16",
 }
 SUPPORTED_TYPES: tuple[str, ...] = tuple(t.name for t in (*_FLOAT_TYPES, *_DEQUANTIZERS))
 
@@ -182,8 +198,10 @@ def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType, dtype: torch.dtyp
 
     Always returns new memory, never a view of `raw`.
     """
+    import torch
+
     if qtype in _FLOAT_TYPES:
-        return raw.view(_FLOAT_TYPES[qtype]).to(dtype=dtype, copy=True)
+        return raw.view(getattr(torch, _FLOAT_TYPES[qtype])).to(dtype=dtype, copy=True)
     if qtype not in _DEQUANTIZERS:
         raise ValueError(
             f"ggml type {qtype.name} is not supported (supported: {', '.join(SUPPORTED_TYPES)})"
@@ -374,6 +392,8 @@ class GGUFFile:
 
     def raw_bytes(self, name: str) -> torch.Tensor:
         """A zero-copy (nbytes,) uint8 view of a tensor's bytes in the file."""
+        import torch
+
         info = self.tensor_info(name)
         if self._mmap is None:
             raise ValueError(f"{self.path}: file is closed")
@@ -386,10 +406,10 @@ class GGUFFile:
     def load_tensor(
         self,
         name: str,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
     ) -> torch.Tensor:
-        """Tensor `name` dequantized to `dtype` on `device`, in torch shape order.
+        """Tensor `name` dequantized to `dtype` (None: float32) on `device`, in torch shape order.
 
         The quantized bytes move to `device` first, so on a GPU the
         dequantization runs there. Unsupported types raise ValueError by name.
@@ -400,7 +420,10 @@ class GGUFFile:
                 f"{self.path}: tensor {name!r} has ggml type {info.type_name}, which is not "
                 f"supported (supported: {', '.join(SUPPORTED_TYPES)})"
             )
+        import torch
+
         raw = self.raw_bytes(name).to(device)
+        dtype = torch.float32 if dtype is None else dtype
         return dequantize(raw, info.ggml_type, dtype).reshape(info.shape)
 
     def close(self) -> None:
@@ -489,7 +512,7 @@ def _head_count(metadata: dict[str, Any], key: str, path: Path) -> int:
 def load_gguf_state_dict(
     path: str | os.PathLike[str],
     device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,  # None: float32
     strict: bool = True,
     select: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
