@@ -156,3 +156,46 @@ def test_every_buffer_against_transformers_and_the_filter(pair):
     with pytest.raises(ValueError, match="no buffer 'kk'"):
         trace_steps(engine, [prompt], greedy(1), steps=1, buffers=["kk"])
     assert not engine.has_unfinished() and ours.tracer is None
+
+
+# ------------------------------------------------- sampling flags (issue 33, item 20)
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory):
+    from test_cli import _write_tiny_model
+
+    return _write_tiny_model(tmp_path_factory.mktemp("trace-tok") / "model")
+
+
+def _sampled(capsys, model, *flags: str) -> list[tuple[int, int]]:
+    """(sampled token, most likely token) of each step of a 4-step trace."""
+    argv = ["trace", "Hello there", "--raw", "--steps", "4", "--layer", "0", "--buffer", "q"]
+    assert main([*argv, "--json", "--model", str(model), "--kv-cache-mib", "4", *flags]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    return [(e["token"], e["top"][0][0]) for r in records for e in r["sampled"] if "token" in e]
+
+
+HOT = ("--temperature", "5", "--seed", "7")
+
+
+def test_trace_samples_with_temperature_and_the_seed_repeats_it(tiny_with_tokenizer, capsys):
+    """--temperature 5 over 128k tokens: some sampled token is not the most likely one
+    (greedy's by chance is ~never); the same seed samples the same tokens again."""
+    sampled = _sampled(capsys, tiny_with_tokenizer, *HOT)
+    assert len(sampled) == 4 and any(token != top for token, top in sampled)
+    assert _sampled(capsys, tiny_with_tokenizer, *HOT) == sampled
+
+
+def test_trace_top_k_1_samples_the_most_likely_token(tiny_with_tokenizer, capsys):
+    sampled = _sampled(capsys, tiny_with_tokenizer, *HOT, "--top-k", "1")
+    assert len(sampled) == 4 and all(token == top for token, top in sampled)
+
+
+def test_trace_checks_the_sampling_flags_before_loading(capsys):
+    assert main(["trace", "Hi", "--top-p", "0", "--model", "/no/such/model"]) == 2
+    assert "pagedllm trace: error: argument --top-p: must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_trace_of_a_missing_model_is_one_line(tmp_path, capsys):
+    assert main(["trace", "Hi", "--model", str(tmp_path / "nothing")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("pagedllm trace: error: ") == 1 and "Traceback" not in err

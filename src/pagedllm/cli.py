@@ -50,14 +50,12 @@ from pagedllm.cli_errors import (  # noqa: F401
 )
 from pagedllm.engine_args import (
     add_engine_arguments,
-    checked,
     engine_config_from_args,
     engine_kwargs,
-    number,
     positive_int,
-    whole_number,
 )
 from pagedllm.engine_config import EngineConfig
+from pagedllm.sampling_args import add_sampling_arguments, greedy_note, sampling_kwargs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils import plural
 
@@ -123,15 +121,10 @@ def _subcommand(name: str) -> Callable[[list[str]], int]:
 
 
 # ------------------------------------------------------------------ argument types
-# The engine's flags and their types live in engine_args.py; these are the
-# generate command's own. Each raises argparse.ArgumentTypeError, which argparse
-# turns into "pagedllm: error: argument --x: MESSAGE" and exit 2, before loading.
-temperature = checked(number, lambda v: v >= 0, ">= 0 (0 is greedy)")
-top_p = checked(number, lambda v: 0 < v <= 1, "in (0, 1] (1 is off)")
-top_k = checked(whole_number, lambda v: v >= -1, "-1 or 0 (off) or >= 1")
-min_p = checked(number, lambda v: 0 <= v <= 1, "in [0, 1] (0 is off)")
-
-
+# The engine's flags and their types live in engine_args.py, the sampling flags'
+# in sampling_args.py (shared with `pagedllm trace`); this is the generate
+# command's own. It raises argparse.ArgumentTypeError, which argparse turns into
+# "pagedllm: error: argument --x: MESSAGE" and exit 2, before loading.
 def stop_string(text: str) -> str:
     if text == "":
         raise argparse.ArgumentTypeError("must not be empty")
@@ -202,20 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s = p.add_argument_group("sampling (greedy unless --temperature, see below)")
     s.add_argument("--ignore-eos", action="store_true", help="generate until max new tokens")
-    s.add_argument(
-        "--temperature",
-        type=temperature,
-        metavar="T",
-        help="> 0 samples; 0 is greedy (the default, see below)",
-    )
-    s.add_argument("--top-p", type=top_p, metavar="P", help="nucleus sampling, in (0, 1]")
-    s.add_argument(
-        "--top-k", type=top_k, metavar="K", help="sample among the k most likely (0 or -1: off)"
-    )
-    s.add_argument(
-        "--min-p", type=min_p, metavar="P", help="drop tokens below min_p x the top one, in [0, 1]"
-    )
-    s.add_argument("--seed", type=whole_number, metavar="N", help="same seed, same sampled text")
+    add_sampling_arguments(s)  # --temperature, --top-p, --top-k, --min-p, --seed
     s.add_argument(
         "--stop",
         type=stop_string,
@@ -398,14 +378,7 @@ def generate_main(argv: list[str]) -> int:
 
 def _sampling_params(args: argparse.Namespace, max_tokens: int) -> SamplingParams:
     return SamplingParams(
-        max_tokens=max_tokens,
-        ignore_eos=args.ignore_eos,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        stop=args.stop,
+        max_tokens=max_tokens, ignore_eos=args.ignore_eos, stop=args.stop, **sampling_kwargs(args)
     )
 
 
@@ -430,10 +403,7 @@ def _cli_sampling_default(
     model_defaults = dict(getattr(llm.engine, "generation_defaults", None) or {})
     if not sampling_is_greedy_by_default(args, model_defaults):
         return params
-    ignored = [f"--{n.replace('_', '-')}" for n in ("top_p", "top_k", "min_p", "seed")]
-    ignored = [flag for flag in ignored if getattr(args, flag[2:].replace("-", "_")) is not None]
-    note = f"; {', '.join(ignored)} apply only when sampling" if ignored else ""
-    log(f"sampling: greedy (set --temperature to sample){note}")
+    log(greedy_note(args))
     return [dataclasses.replace(p, temperature=0.0) for p in params]
 
 

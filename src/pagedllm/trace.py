@@ -16,7 +16,9 @@ For each engine step it prints what each layer made:
    output, the projections, SwiGLU, and the hidden state after the layer
    (the residual stream: transformers' `output_hidden_states[layer + 1]`);
    `--buffer` picks some;
-4. each sampled token with its top-5 log-probs.
+4. each sampled token with its top-5 log-probs. Greedy, unless --temperature
+   (with --top-p, --top-k, --min-p, --seed: the generate command's flags,
+   `sampling_args.py`).
 
 How: the trace runs a normal engine (eager, no CUDA graphs, no async
 scheduling, so every kernel runs where Python can see it) and listens at
@@ -39,6 +41,7 @@ from typing import Any
 
 from pagedllm.cli_errors import error
 from pagedllm.engine_args import add_engine_arguments, engine_config_from_args, positive_int
+from pagedllm.sampling_args import add_sampling_arguments, greedy_note, sampling_kwargs
 from pagedllm.utils import plural
 
 PROG = "pagedllm trace"
@@ -287,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--raw", action="store_true", help="the text as is, without the chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per step instead")
+    add_sampling_arguments(p.add_argument_group("sampling (greedy unless --temperature)"))
     add_engine_arguments(p)
     return p
 
@@ -315,11 +319,15 @@ def trace_main(argv: list[str]) -> int:
             prompts = [tok.encode(p, add_special_tokens=True) for p in args.prompts]
         else:
             prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in args.prompts]
+        sampling = sampling_kwargs(args)
+        if sampling["temperature"] is None:  # the trace's default: greedy
+            sampling["temperature"] = 0.0
+            print(f"[trace] {greedy_note(args)}", file=sys.stderr)
         params = SamplingParams(
-            max_tokens=args.steps, temperature=0.0, logprobs=TOP_LOGPROBS, ignore_eos=True
+            max_tokens=args.steps, logprobs=TOP_LOGPROBS, ignore_eos=True, **sampling
         )
         records = trace_steps(engine, prompts, params, args.steps, args.layer, args.buffer)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # a model that cannot be loaded (missing: OSError)
         return error(PROG, e)
     for record in records:
         print(json.dumps(record) if args.json else format_record(record))
