@@ -7,9 +7,12 @@ Each test names the item it shows. The import graph is read with the same
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from test_import_graph import SRC, cycles, import_graph
 
@@ -57,8 +60,6 @@ def test_a_header_one_byte_short_says_1_byte(tmp_path: Path) -> None:
     """The header reader's messages agree in number: "needs 1 byte", not "1 bytes"."""
     import struct
 
-    import pytest
-
     from pagedllm.gguf_metadata import BOOL, read_gguf_metadata
 
     key = b"a"
@@ -68,3 +69,52 @@ def test_a_header_one_byte_short_says_1_byte(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="needs 1 byte at offset") as e:
         read_gguf_metadata(path)
     assert "1 bytes" not in str(e.value)
+
+
+# ------------------------------------------------------------------ item 17
+def test_a_worker_that_died_silently_is_named_with_its_likely_cause() -> None:
+    from pagedllm.runner.tp_workers import worker_exit_message
+
+    said = worker_exit_message(1, 1, "Traceback ...\nValueError: bad shard", "/x/run.py")
+    assert said == "tensor-parallel worker rank 1 exited with code 1: Traceback ...\n" + (
+        "ValueError: bad shard"
+    )
+    guard = worker_exit_message(1, 1, None, "/x/run.py")
+    assert guard.startswith("tensor-parallel worker rank 1 exited with code 1 before it started")
+    assert '/x/run.py builds the LLM without an `if __name__ == "__main__":` guard' in guard
+    assert "spawn" in guard
+    killed = worker_exit_message(2, -9, None, "/x/run.py")
+    assert killed.startswith("tensor-parallel worker rank 2 exited with code -9: killed by SIGKILL")
+    assert "out-of-memory" in killed
+    assert "killed by SIGTERM" in worker_exit_message(1, -15, None, None)
+    # No main module file (python -c, a notebook): spawn runs nothing again, so no guard.
+    assert "guard" not in worker_exit_message(1, 1, None, None)
+
+
+NO_GUARD = """\
+import sys
+from pagedllm import LLM
+LLM(model=sys.argv[1], device="cpu", dtype="float32", tensor_parallel_size=2, kv_cache_mib=1)
+print("built")
+"""
+
+
+@pytest.mark.slow  # two processes load torch and the model: ~5 s
+def test_a_script_without_the_main_guard_is_told_so(tmp_path: Path) -> None:
+    """The script of item 17: tensor_parallel_size=2 at module level, no guard."""
+    from tiny_models import make_tiny_llama_dir
+
+    model, _ = make_tiny_llama_dir(tmp_path / "m", seed=3, num_key_value_heads=2)
+    script = tmp_path / "no_guard.py"
+    script.write_text(NO_GUARD)
+    run = subprocess.run(
+        [sys.executable, str(script), str(model)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert run.returncode == 1 and "built" not in run.stdout
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("pagedllm: tensor-parallel worker rank 1 exited with code 1")
+    assert f'{script} builds the LLM without an `if __name__ == "__main__":` guard' in last

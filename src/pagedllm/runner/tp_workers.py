@@ -108,15 +108,47 @@ def _report(shared: _Workers, rank: int, proc) -> None:
             return
         shared.reported = True
     proc.join()
-    error = "no error message (killed?)"
+    error = None
     try:
         if shared.errors[rank - 1].poll(1.0):
             error = shared.errors[rank - 1].recv()
     except (EOFError, OSError):
         pass  # it died before it could say why
-    shared.on_failure(
-        f"tensor-parallel worker rank {rank} exited with code {proc.exitcode}: {error}"
-    )
+    main_path = getattr(sys.modules.get("__main__"), "__file__", None)
+    shared.on_failure(worker_exit_message(rank, proc.exitcode, error, main_path))
+
+
+def worker_exit_message(
+    rank: int, exitcode: int | None, error: str | None, main_path: str | None
+) -> str:
+    """What `on_failure` is told of worker `rank`'s exit: the traceback it sent, or
+    else the likely cause, named as PyTorch and vLLM name it for spawned workers.
+
+    A worker that raises always sends its traceback first (`worker_main`), so exit
+    code 1 without one means it died before `worker_main` ran: while the spawn
+    method ran the main module (`main_path`) again in the new process. A script
+    without an `if __name__ == "__main__":` guard does that (multiprocessing's
+    RuntimeError, printed by the worker, says so in its own words)."""
+    head = f"tensor-parallel worker rank {rank} exited with code {exitcode}"
+    if error:
+        return f"{head}: {error}"
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        oom = (
+            " (sent by the out-of-memory killer, or kill -9)" if -exitcode == signal.SIGKILL else ""
+        )
+        return f"{head}: killed by {name}{oom}"
+    if exitcode == 1 and main_path:
+        return (
+            f"{head} before it started, with no error message: most likely {main_path} "
+            'builds the LLM without an `if __name__ == "__main__":` guard. Workers are started '
+            "with the spawn method, which runs the main module again in each of them; build "
+            "and use the LLM under that guard"
+        )
+    return f"{head} before it could send an error message (killed?)"
 
 
 def _watch(shared: _Workers) -> None:
