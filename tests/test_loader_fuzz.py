@@ -69,6 +69,7 @@ MAX_MODEL_LEN = 32  # bounds the RoPE table whatever context length a mutation d
 CASE_SECONDS = 30
 CASE_MEMORY_KIB = 512 * 1024
 DEFAULT_EXAMPLES = 600  # per format: 1,200 cases in the default run
+TOKENIZER_EXAMPLES = 150  # tokenizer.json cases in the default run (~10 ms each)
 SEARCH_EXAMPLES = 10_000  # per format, in the slow search
 
 # Integers worth writing into a length, count, offset or dimension field.
@@ -762,6 +763,130 @@ def test_fuzz_gguf_loader(case: dict[str, Any]) -> None:
 @given(case=GGUF_CASES)
 def test_fuzz_gguf_loader_search(case: dict[str, Any]) -> None:
     gguf_case(**case)
+
+
+# ===== tokenizer.json =========================================================================
+# Issue 33 item 9: a damaged tokenizer.json gave a TypeError, a KeyError, a regex error,
+# or (an id of 10**9) a 16 GB table. Any value at any place of a valid file, or a key
+# removed: a ValueError naming the file, or a tokenizer that encodes and decodes.
+
+
+@cache
+def tokenizer_base() -> str:
+    """A valid tokenizer directory as JSON: file name -> that file's document."""
+    from pagedllm.tokenizer.bytelevel import BYTE_TO_CHAR
+
+    vocab = {c: i for i, c in enumerate(BYTE_TO_CHAR)}
+    vocab.update({"ab": 256, "Ġa": 257})
+    tokenizer = {
+        "added_tokens": [
+            {"id": 258, "content": "<s>", "special": True},
+            {"id": 259, "content": "<x>", "special": False, "lstrip": True},
+        ],
+        "normalizer": None,
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": "\\d"}, "behavior": "Isolated"},
+                {"type": "Digits", "individual_digits": True},
+                {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True},
+            ],
+        },
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>"}}, {"Sequence": {"id": "A"}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [258]}},
+        },
+        "decoder": {"type": "ByteLevel"},
+        "model": {"type": "BPE", "vocab": vocab, "merges": ["a b", ["Ġ", "a"]]},
+    }
+    config = {
+        "bos_token": {"content": "<s>"},
+        "eos_token": "<x>",
+        "add_bos_token": True,
+        "chat_template": [{"name": "default", "template": "{{ messages[0]['content'] }}"}],
+    }
+    return json.dumps(
+        {
+            "tokenizer.json": tokenizer,
+            "tokenizer_config.json": config,
+            "generation_config.json": {"eos_token_id": [258, 259]},
+        }
+    )
+
+
+def json_paths(node: Any, prefix: tuple = ()) -> list[tuple]:
+    """Every place in a JSON document (the model's vocabulary by a few keys only)."""
+    out = [prefix]
+    if isinstance(node, dict):
+        keys = list(node)
+        if prefix[1:] == ("model", "vocab"):
+            keys = ["a", "b", "ab", "Ġa"]
+        for k in keys:
+            out += json_paths(node[k], (*prefix, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += json_paths(v, (*prefix, i))
+    return out
+
+
+TOKENIZER_PATHS = json_paths(json.loads(tokenizer_base()))[1:]  # not the directory itself
+st_tokenizer_edits = st.lists(
+    st.tuples(
+        st.sampled_from(TOKENIZER_PATHS),
+        st.one_of(st.just(DROP_KEY := object()), json_values(), st.sampled_from(INTERESTING)),
+    ),
+    min_size=1,
+    max_size=3,
+)
+
+
+def tokenizer_case(edits: list[tuple[tuple, Any]]) -> None:
+    files: dict[str, Any] = json.loads(tokenizer_base())
+    for path, value in edits:
+        node = files
+        try:
+            for key in path[:-1]:
+                node = node[key]
+            if value is DROP_KEY:
+                del node[path[-1]]
+            else:
+                node[path[-1]] = value
+        except (KeyError, IndexError, TypeError):  # an earlier edit removed the place
+            pass
+    with tempfile.TemporaryDirectory() as d, bounded_case():
+        for name, doc in files.items():
+            (Path(d) / name).write_text(json.dumps(doc))
+        try:
+            tok = Tokenizer.from_model_path(d)
+        except (ValueError, FileNotFoundError) as e:  # FileNotFoundError: tokenizer.json dropped
+            message = str(e)
+            assert message.startswith(d) and "\n" not in message, message
+            return
+        for text in ("ab 1 a<s><x>", "", "Ġ\x00é"):
+            ids = tok.encode(text, add_special_tokens=True)
+            assert isinstance(tok.decode(ids), str)
+        if tok.chat_template is not None:
+            try:
+                tok.encode_chat([{"role": "user", "content": "a<s>"}])
+            except ValueError:  # a template that fails to render says so
+                pass
+
+
+@settings(max_examples=TOKENIZER_EXAMPLES)
+@given(edits=st_tokenizer_edits)
+@example(edits=[(("tokenizer.json", "model", "merges"), [123, None])])  # issue 33 item 9
+@example(edits=[(("tokenizer.json", "added_tokens", 0, "id"), 10**9)])
+@example(edits=[(("tokenizer.json",), [1, 2])])
+def test_fuzz_tokenizer_json_loader(edits: list[tuple[tuple, Any]]) -> None:
+    tokenizer_case(edits)
+
+
+@pytest.mark.slow
+@settings(settings.get_profile("search"), max_examples=SEARCH_EXAMPLES)
+@given(edits=st_tokenizer_edits)
+def test_fuzz_tokenizer_json_loader_search(edits: list[tuple[tuple, Any]]) -> None:
+    tokenizer_case(edits)
 
 
 # ----- the base files are what they claim ----------------------------------------------------

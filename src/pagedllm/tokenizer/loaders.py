@@ -5,7 +5,10 @@ Owns: parsing `tokenizer.json` (+ `tokenizer_config.json` and
 decisions that follow from them: which tokens are special, which ids
 `add_special_tokens` puts around the text, which ids end a turn. Does not own:
 encoding or decoding (`tokenizer.py`). Unknown or unsupported options are
-refused by name, never ignored.
+refused by name, never ignored. A malformed file (a JSON array, no `model`, a
+merge of `[123, null]`, a regex that does not compile, an id that is no
+integer or past `MAX_TOKEN_ID`) is one ValueError naming the file and what is
+wrong, raised before anything is sized by a value read from it.
 
 Where BOS comes from (for `encode(..., add_special_tokens=True)`), first match wins:
 1. `tokenizer_config.json` says `add_bos_token`/`add_eos_token`: those (this
@@ -25,9 +28,11 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Any, NoReturn
+
+import regex
 
 from pagedllm.gguf_metadata import read_gguf_metadata
 from pagedllm.tokenizer.pretokenize import (
@@ -89,49 +94,98 @@ class TokenizerSpec:
 
 # ------------------------------------------------------------------ tokenizer.json
 
+# Token ids are below this (16x the largest vocabularies, ~256k): the tokenizer
+# keeps a table of every id up to the largest, so an id of 10**9 in a damaged
+# file would otherwise cost gigabytes before anything else fails.
+MAX_TOKEN_ID = 1 << 22
+
 
 def load_tokenizer_json(path: str | Path) -> TokenizerSpec:
+    """The spec of an HF `tokenizer.json` (with the tokenizer_config.json and
+    generation_config.json beside it, when present).
+
+    Every value is checked for its type (and every id for its range) before
+    use: a malformed file is one ValueError naming the file and what is wrong
+    in it, never a TypeError, a KeyError or an allocation sized by an unchecked id."""
     path = Path(path)
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    model = data.get("model") or {}
+    data = _read_json(path)
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{path}: the file holds a JSON {_json_type(data)}, expected an object (a tokenizer.json)"
+        )
+    model = data.get("model")
+    if model is None:
+        raise ValueError(
+            f"{path}: no 'model' (the BPE vocabulary and merges); is it a tokenizer.json?"
+        )
+    if not isinstance(model, dict):
+        _bad(path, "model", model, "an object")
     if model.get("type", "BPE") != "BPE":
         raise ValueError(f"{path}: model type {model.get('type')!r} is not supported (only BPE)")
     _check_bpe_options(path, model)
-    if data.get("normalizer") not in (None, {"type": "Sequence", "normalizers": []}):
-        kind = data["normalizer"].get("type")
-        raise ValueError(f"{path}: normalizer {kind!r} is not supported (byte-level BPE has none)")
-    decoder = data.get("decoder")
-    if decoder is not None and decoder.get("type") != "ByteLevel":
-        raise ValueError(f"{path}: decoder {decoder.get('type')!r} is not supported (ByteLevel)")
-
-    vocab: dict[str, int] = dict(model["vocab"])
-    merges = _parse_merges(path, model.get("merges", []))
-    added = [
-        AddedToken(
-            id=int(t["id"]),
-            content=t["content"],
-            special=bool(t.get("special", False)),
-            lstrip=bool(t.get("lstrip", False)),
-            rstrip=bool(t.get("rstrip", False)),
+    normalizer = data.get("normalizer")
+    if normalizer not in (None, {"type": "Sequence", "normalizers": []}):
+        raise ValueError(
+            f"{path}: normalizer {_kind(normalizer)} is not supported (byte-level BPE has none)"
         )
-        for t in data.get("added_tokens", [])
-    ]
+    decoder = data.get("decoder")
+    if decoder is not None and not (
+        isinstance(decoder, dict) and decoder.get("type") == "ByteLevel"
+    ):
+        raise ValueError(f"{path}: decoder {_kind(decoder)} is not supported (ByteLevel)")
+
+    vocab = _parse_vocab(path, model.get("vocab"))
+    merges = _parse_merges(path, model.get("merges", []), vocab)
+    added = _parse_added_tokens(path, data.get("added_tokens", []))
+    ignore_merges = model.get("ignore_merges", False)
+    if not isinstance(ignore_merges, bool):
+        _bad(path, "model.ignore_merges", ignore_merges, "true or false")
     spec = TokenizerSpec(
         vocab=vocab,
         merges=merges,
-        pretokenizer=from_hf_json(data.get("pre_tokenizer")),
-        ignore_merges=bool(model.get("ignore_merges", False)),
+        pretokenizer=_pretokenizer(path, data.get("pre_tokenizer")),
+        ignore_merges=ignore_merges,
         added_tokens=added,
         source=str(path),
     )
     token_to_id = {**vocab, **{t.content: t.id for t in added}}
-    template_ids = _template_processing(path, data.get("post_processor"), token_to_id)
+    id_space = 1 + max(token_to_id.values(), default=-1)
+    template_ids = _template_processing(path, data.get("post_processor"), token_to_id, id_space)
+    config_path = path.with_name("tokenizer_config.json")
     config = _read_json_beside(path, "tokenizer_config.json")
-    _apply_tokenizer_config(spec, config, token_to_id, template_ids)
+    _apply_tokenizer_config(spec, config, token_to_id, template_ids, config_path)
+    generation_path = path.with_name("generation_config.json")
     generation = _read_json_beside(path, "generation_config.json")
-    spec.extra_eos_ids = _as_ids(generation.get("eos_token_id"))
+    spec.extra_eos_ids = _as_ids(generation_path, generation.get("eos_token_id"), id_space)
     return spec
+
+
+def _read_json(path: Path) -> Any:
+    """The JSON in `path`; a file that is not (a FIFO, bad UTF-8, not JSON) is a
+    ValueError naming it. A missing file stays a FileNotFoundError."""
+    from pagedllm.resolve import special_file_kind
+
+    kind = special_file_kind(path)
+    if kind is not None:  # reading /dev/zero or a FIFO would never end
+        raise ValueError(f"{path} is {kind}, not a JSON file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path} is a directory, not a JSON file") from None
+
+
+def _read_json_beside(path: Path, name: str) -> dict[str, Any]:
+    """The JSON object in the file `name` beside `path`; {} when there is none."""
+    other = path.with_name(name)
+    if not other.is_file():
+        return {}
+    data = _read_json(other)
+    if not isinstance(data, dict):
+        raise ValueError(f"{other}: the file holds a JSON {_json_type(data)}, expected an object")
+    return data
 
 
 def _check_bpe_options(path: Path, model: Mapping[str, Any]) -> None:
@@ -144,28 +198,135 @@ def _check_bpe_options(path: Path, model: Mapping[str, Any]) -> None:
             raise ValueError(f"{path}: BPE option {key}={model[key]!r} is not supported")
 
 
-def _parse_merges(path: Path, merges: list[Any]) -> list[tuple[str, str]]:
+def _parse_vocab(path: Path, vocab: Any) -> dict[str, int]:
+    if vocab is None:
+        raise ValueError(f"{path}: model has no 'vocab'")
+    if not isinstance(vocab, dict):
+        _bad(path, "model.vocab", vocab, "an object of token -> id")
+    ids = vocab.values()
+    # Checked in C first (Llama 3 has 128,000 entries); the slow loop finds the bad one.
+    if ids and not (set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < MAX_TOKEN_ID):
+        for token, token_id in vocab.items():
+            if not _is_int(token_id) or not 0 <= token_id < MAX_TOKEN_ID:
+                _bad(path, f"the id of vocab token {token!r}", token_id, _ID_RULE)
+    return dict(vocab)
+
+
+def _parse_merges(path: Path, merges: Any, vocab: Mapping[str, int]) -> list[tuple[str, str]]:
     # Older files write "a b"; newer ones (tokenizers >= 0.20) write ["a", "b"].
-    try:
-        # Fast path (map runs in C): all strings, the common case.
+    if not isinstance(merges, list):
+        _bad(path, "model.merges", merges, 'a list of merges ("a b" or ["a", "b"])')
+    # Each form is parsed in C when the list holds one form only (Llama 3 has
+    # 280,147 merges); a mixed list, or one holding anything else, takes a loop.
+    kinds = set(map(type, merges))
+    if kinds <= {str}:
         pairs = list(map(tuple, map(str.split, merges, repeat(" "))))
-    except TypeError:
-        pairs = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
-    if any(len(p) != 2 for p in pairs):
-        bad = next(m for m, p in zip(merges, pairs) if len(p) != 2)
-        raise ValueError(f"{path}: malformed merge {bad!r}; expected two symbols")
+    elif kinds == {list}:
+        pairs = list(map(tuple, merges))
+    else:
+        pairs = [tuple(m.split(" ")) if isinstance(m, str) else _as_tuple(m) for m in merges]
+    # str.split makes strings; a list may hold anything.
+    symbols_ok = kinds <= {str} or set(map(type, chain.from_iterable(pairs))) <= {str}
+    if pairs and not (symbols_ok and set(map(len, pairs)) == {2}):
+        bad = next(
+            m
+            for m, p in zip(merges, pairs)
+            if len(p) != 2 or not all(isinstance(x, str) for x in p)
+        )
+        raise ValueError(
+            f'{path}: malformed merge {_shown(bad)}; expected two symbols ("a b" or ["a", "b"])'
+        )
+    # What a merge makes must be a token: encode looks every symbol up in the
+    # vocabulary (HF `tokenizers` refuses such a file too). Its two parts need no
+    # check here: a part that is no token never forms, so the merge never applies.
+    if not all(map(vocab.__contains__, map("".join, pairs))):
+        a, b = next(p for p in pairs if p[0] + p[1] not in vocab)
+        raise ValueError(
+            f"{path}: merge {_shown([a, b])} makes {_shown(a + b)}, which is not in model.vocab"
+        )
     return pairs
 
 
+def _as_tuple(value: Any) -> tuple:
+    return tuple(value) if isinstance(value, list) else ()
+
+
+def _parse_added_tokens(path: Path, tokens: Any) -> list[AddedToken]:
+    if not isinstance(tokens, list):
+        _bad(path, "added_tokens", tokens, "a list of objects")
+    added = []
+    for t in tokens:
+        if not isinstance(t, dict):
+            _bad(path, "an added token", t, "an object with id and content")
+        token_id, content = t.get("id"), t.get("content")
+        if not isinstance(content, str):
+            _bad(path, f"the content of added token {token_id!r}", content, "a string")
+        if not _is_int(token_id) or not 0 <= token_id < MAX_TOKEN_ID:
+            _bad(path, f"the id of added token {content!r}", token_id, _ID_RULE)
+        flags = {}
+        for key in ("special", "lstrip", "rstrip"):
+            flags[key] = t.get(key, False)
+            if not isinstance(flags[key], bool):
+                _bad(path, f"{key} of added token {content!r}", flags[key], "true or false")
+        added.append(AddedToken(id=token_id, content=content, **flags))
+    return added
+
+
+# The options of each pre-tokenizer step that `pretokenize.py` reads, and their types.
+_PRE_OPTIONS: dict[str, dict[str, type]] = {
+    "Split": {"behavior": str, "invert": bool},
+    "Digits": {"individual_digits": bool},
+    "ByteLevel": {"add_prefix_space": bool, "use_regex": bool, "trim_offsets": bool},
+}
+
+
+def _pretokenizer(path: Path, spec: Any) -> PreTokenizer:
+    """`pre_tokenizer`, its shape checked here and its rules built by `pretokenize.py`
+    (whose errors, and a regex that does not compile, get the file's name)."""
+    steps = [] if spec is None else [spec]
+    while steps:
+        step = steps.pop()
+        if not isinstance(step, dict) or not isinstance(step.get("type"), str):
+            _bad(path, "a pre_tokenizer", step, "an object with a type")
+        kind = step["type"]
+        if kind == "Sequence":
+            subs = step.get("pretokenizers", [])
+            if not isinstance(subs, list):
+                _bad(path, "pre_tokenizer pretokenizers", subs, "a list")
+            steps.extend(subs)
+        for key, want in _PRE_OPTIONS.get(kind, {}).items():
+            if step.get(key) is not None and not isinstance(step[key], want):
+                _bad(path, f"{kind} pre-tokenizer {key}", step[key], _TYPE_NAMES[want])
+        if kind == "Split":
+            pattern = step.get("pattern", {})
+            if not isinstance(pattern, dict) or not all(
+                isinstance(v, str) for v in pattern.values()
+            ):
+                _bad(path, "a Split pattern", pattern, '{"Regex": "..."} or {"String": "..."}')
+    try:
+        return from_hf_json(spec)
+    except regex.error as e:
+        raise ValueError(
+            f"{path}: pre_tokenizer regex {_shown(e.pattern)} does not compile ({e})"
+        ) from None
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
 def _template_processing(
-    path: Path, post: Mapping[str, Any] | None, token_to_id: Mapping[str, int]
+    path: Path, post: Any, token_to_id: Mapping[str, int], id_space: int
 ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(ids before $A, ids after $A) of a TemplateProcessing, or None when there is none."""
     if post is None:
         return None
+    if not isinstance(post, dict):
+        _bad(path, "post_processor", post, "an object with a type")
     kind = post.get("type")
     if kind == "Sequence":
-        found = [_template_processing(path, p, token_to_id) for p in post.get("processors", [])]
+        processors = post.get("processors", [])
+        if not isinstance(processors, list):
+            _bad(path, "post_processor processors", processors, "a list")
+        found = [_template_processing(path, p, token_to_id, id_space) for p in processors]
         found = [f for f in found if f is not None]
         return found[-1] if found else None
     if kind == "ByteLevel":
@@ -173,48 +334,97 @@ def _template_processing(
     if kind != "TemplateProcessing":
         raise ValueError(f"{path}: post-processor {kind!r} is not supported")
     specials = post.get("special_tokens", {})
+    single = post.get("single", [])
+    if not isinstance(specials, dict):
+        _bad(path, "TemplateProcessing special_tokens", specials, "an object")
+    if not isinstance(single, list):
+        _bad(path, "TemplateProcessing single", single, "a list")
     before: list[int] = []
     after: list[int] = []
     seen_sequence = False
-    for item in post.get("single", []):
-        if "Sequence" in item:
+    for item in single:
+        if isinstance(item, dict) and "Sequence" in item:
             seen_sequence = True
             continue
-        name = item["SpecialToken"]["id"]
-        ids = specials.get(name, {}).get("ids") or [token_to_id[name]]
-        (after if seen_sequence else before).extend(int(i) for i in ids)
+        token = item.get("SpecialToken") if isinstance(item, dict) else None
+        name = token.get("id") if isinstance(token, dict) else None
+        if not isinstance(name, str):
+            _bad(
+                path,
+                "a TemplateProcessing item",
+                item,
+                '{"Sequence": ...} or {"SpecialToken": ...}',
+            )
+        entry = specials.get(name, {})
+        ids = entry.get("ids") if isinstance(entry, dict) else None
+        if not ids:
+            if name not in token_to_id:
+                raise ValueError(
+                    f"{path}: the post-processor names {name!r}, which is no token of the vocabulary"
+                )
+            ids = [token_to_id[name]]
+        if not isinstance(ids, list) or not all(_is_int(i) and 0 <= i < id_space for i in ids):
+            _bad(path, f"the ids of post-processor token {name!r}", ids, f"ids below {id_space}")
+        (after if seen_sequence else before).extend(ids)
     return tuple(before), tuple(after)
-
-
-def _read_json_beside(path: Path, name: str) -> dict[str, Any]:
-    other = path.with_name(name)
-    if not other.is_file():
-        return {}
-    with open(other, encoding="utf-8") as f:
-        return json.load(f)
 
 
 def _token_string(value: Any) -> str | None:
     # tokenizer_config.json writes a token either as a string or as an AddedToken dict.
     if isinstance(value, Mapping):
-        return value.get("content")
+        value = value.get("content")
     return value if isinstance(value, str) else None
 
 
-def _as_ids(value: Any) -> tuple[int, ...]:
+def _as_ids(path: Path, value: Any, id_space: int) -> tuple[int, ...]:
+    """`eos_token_id` of generation_config.json: an id or a list of them, each a token's."""
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    values = value if isinstance(value, list) else [value]
+    for v in values:
+        if not _is_int(v) or not 0 <= v < id_space:
+            _bad(path, "eos_token_id", value, f"token ids below {id_space} (the vocabulary's)")
+    return tuple(values)
 
 
-def _pick_template(value: Any) -> str | None:
+def _pick_template(path: Path, value: Any) -> str | None:
     # Either one template, or a list of {"name", "template"} of which "default" is the chat one.
     if value is None or isinstance(value, str):
         return value
+    if not isinstance(value, list) or not all(
+        isinstance(t, dict)
+        and isinstance(t.get("name"), str)
+        and isinstance(t.get("template"), str)
+        for t in value
+    ):
+        _bad(path, "chat_template", value, 'a string or a list of {"name", "template"}')
     by_name = {t["name"]: t["template"] for t in value}
     return by_name.get("default")
+
+
+def _kind(value: Any) -> str:
+    """How an unsupported component is named in an error: its type, else its value."""
+    if isinstance(value, dict):
+        return repr(value.get("type"))
+    return _shown(value)
+
+
+def _shown(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
+
+
+_ID_RULE = f"an integer in [0, {MAX_TOKEN_ID:,})"
+_TYPE_NAMES = {str: "a string", bool: "true or false"}
+
+
+def _json_type(value: Any) -> str:
+    names = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
+    return names.get(type(value), "null")
+
+
+def _bad(path: Path | str, what: str, value: Any, expected: str) -> NoReturn:
+    raise ValueError(f"{path}: {what} is {_shown(value)}, expected {expected}")
 
 
 def _apply_tokenizer_config(
@@ -222,6 +432,7 @@ def _apply_tokenizer_config(
     config: Mapping[str, Any],
     token_to_id: Mapping[str, int],
     template_ids: tuple[tuple[int, ...], tuple[int, ...]] | None,
+    config_path: Path,
 ) -> None:
     strings = {}
     for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
@@ -240,6 +451,9 @@ def _apply_tokenizer_config(
     spec.bos_token_id = token_to_id.get(strings.get("bos_token", ""))
     spec.eos_token_id = token_to_id.get(strings.get("eos_token", ""))
 
+    for key in ("add_bos_token", "add_eos_token"):
+        if config.get(key) is not None and not isinstance(config[key], bool):
+            _bad(config_path, key, config[key], "true or false")
     if "add_bos_token" in config or "add_eos_token" in config:  # rule 1
         bos = (
             (spec.bos_token_id,)
@@ -256,7 +470,7 @@ def _apply_tokenizer_config(
         spec.prefix_ids, spec.suffix_ids = template_ids
     elif is_llama3:  # rule 3
         spec.prefix_ids = (token_to_id[LLAMA3_BOS],)
-    spec.chat_template = _pick_template(config.get("chat_template"))
+    spec.chat_template = _pick_template(config_path, config.get("chat_template"))
 
 
 def _id_to_string(spec: TokenizerSpec, token_id: int) -> str:
@@ -273,6 +487,11 @@ def _id_to_string(spec: TokenizerSpec, token_id: int) -> str:
 
 
 def load_gguf(path: str | Path) -> TokenizerSpec:
+    from pagedllm.resolve import special_file_kind
+
+    kind = special_file_kind(Path(path))
+    if kind is not None:  # a FIFO would block the read
+        raise ValueError(f"{path} is {kind}, not a GGUF file")
     meta = read_gguf_metadata(path, prefix="tokenizer.")
     return spec_from_gguf_metadata(meta, source=str(path))
 

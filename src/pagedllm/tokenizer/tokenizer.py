@@ -40,6 +40,7 @@ from pagedllm.tokenizer.chat_template import LLAMA3_INSTRUCT_TEMPLATE, render_ch
 from pagedllm.tokenizer.loaders import (
     END_OF_TURN_TOKENS,
     LLAMA3_BOS,
+    MAX_TOKEN_ID,
     AddedToken,
     TokenizerSpec,
     load_gguf,
@@ -64,6 +65,13 @@ class Tokenizer:
         id_to_token: dict[int, str] = {i: s for s, i in spec.vocab.items()}
         for t in spec.added_tokens:
             id_to_token[t.id] = t.content
+        if id_to_token and not 0 <= min(id_to_token) <= max(id_to_token) < MAX_TOKEN_ID:
+            # Checked before the tables below are sized by the largest id (the
+            # loaders check each id; this guards a spec built in code).
+            bad = next(i for i in id_to_token if not 0 <= i < MAX_TOKEN_ID)
+            raise ValueError(
+                f"{spec.source or 'tokenizer'}: token id {bad} is outside [0, {MAX_TOKEN_ID:,})"
+            )
         self.vocab_size: int = max(id_to_token) + 1 if id_to_token else 0
         self._id_to_token: list[str | None] = [None] * self.vocab_size
         for i, s in id_to_token.items():
@@ -116,11 +124,17 @@ class Tokenizer:
     def from_model_path(cls, path: str | Path | None = None) -> Tokenizer:
         """The tokenizer of a model: an HF directory, a .gguf file, a tokenizer.json,
         or (None) the default model."""
-        if path is None:
-            from pagedllm.resolve import resolve_model_path
+        from pagedllm.resolve import resolve_model_path, special_file_kind
 
+        if path is None:
             path = resolve_model_path(None)
         path = Path(path).expanduser()
+        kind = special_file_kind(path)
+        if kind is not None:
+            raise ValueError(
+                f"{path} is {kind}, not a tokenizer: give an HF model directory (with "
+                "tokenizer.json), a .gguf file, or a tokenizer.json"
+            )
         if path.is_dir():
             tj = path / "tokenizer.json"
             if not tj.is_file():
