@@ -10,6 +10,7 @@ admission policies in a tight pool, and `--plot` draws the pages in use.
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 
@@ -482,3 +483,35 @@ def test_repeated_runs_are_not_served_from_the_prefix_cache(tiny_dir):
         run(llm, w, warmup_workload(512), 3)
         stats = llm.stats()
         assert stats["prefix_cache_query_tokens"] > 0 and stats["prefix_cache_hit_tokens"] == 0
+
+
+# ------------------------------------------------- progress bar (issue 33, item 13)
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_measured_run_shows_its_tokens_on_a_terminal_only(tiny_dir, monkeypatch):
+    """On a terminal a bar counts the measured run's output tokens; elsewhere (a log
+    file) nothing is drawn and the engine is left as it is."""
+    from pagedllm.bench import ours
+    from pagedllm.bench.workloads import warmup_workload
+
+    model = load_model(ModelSpec(str(tiny_dir), None, "auto"), "cpu", None)
+    llm = ours.build_llm(model, {"kv_cache_mib": 1, "block_size": 8}, lambda s: None)
+    w, warmup = draw_throughput(6, 32, 8, 512), warmup_workload(512)
+    total = w.output_tokens
+
+    log = io.StringIO()  # not a terminal
+    monkeypatch.setattr(sys, "stderr", log)
+    with ours.progress(llm, w, "pagedllm throughput"):
+        assert "step" not in vars(llm.engine)
+    assert ours.run_throughput(llm, w, warmup).output_tokens == total
+    assert log.getvalue() == ""
+
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert ours.run_throughput(llm, w, warmup).output_tokens == total
+    drawn = terminal.getvalue()
+    assert "pagedllm throughput" in drawn and f"0/{total}" in drawn and "tok" in drawn
+    assert "step" not in vars(llm.engine)  # the engine's own step again

@@ -8,6 +8,7 @@ Each test names the item it shows. The import graph is read with the same
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,69 @@ def test_a_script_without_the_main_guard_is_told_so(tmp_path: Path) -> None:
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("pagedllm: tensor-parallel worker rank 1 exited with code 1")
     assert f'{script} builds the LLM without an `if __name__ == "__main__":` guard' in last
+
+
+# ------------------------------------------------------------------ item 13
+needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="no make here")
+
+
+def test_the_makefile_ends_with_a_newline() -> None:
+    assert (ROOT / "Makefile").read_bytes().endswith(b"\n")
+
+
+def _make(*args: str) -> str:
+    run = subprocess.run(
+        ["make", "--no-print-directory", *args], cwd=ROOT, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def _fake_python(path: Path) -> Path:
+    """An executable that says it ran and with what: which interpreter make picks."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'#!/bin/sh\necho "ran {path} $*"\n')
+    path.chmod(0o755)
+    return path
+
+
+@needs_make
+def test_make_test_gpu_takes_the_venvs_python_and_says_so(tmp_path: Path) -> None:
+    venv_python = _fake_python(tmp_path / "venv" / "bin" / "python")
+    system = _fake_python(tmp_path / "system" / "python3")
+    out = _make("-s", "test-gpu", f"VENV={tmp_path / 'venv'}", f"PY={system}")
+    assert f"with {venv_python} (the venv's)" in out
+    assert f"ran {venv_python} -m pytest -q -m gpu" in out and str(system) not in out
+    # No venv (the GPU machine): the system's python on src/, as its scripts run it.
+    out = _make("-s", "test-gpu", f"VENV={tmp_path / 'none'}", f"PY={system}")
+    assert f"ran {system} -m pytest -q -m gpu" in out and "PYTHONPATH=src" in out
+
+
+@needs_make
+def test_make_setup_and_bench_say_each_step(tmp_path: Path) -> None:
+    """`make -n` lists the recipes: every step that installs has its "==>" line."""
+    venv = tmp_path / "venv"
+    steps = [line for line in _make("-n", "-B", "setup", f"VENV={venv}").splitlines()]
+    said = " ".join(line for line in steps if line.lstrip().startswith('echo "==>'))
+    for step in ("creating", "CPU build of torch", "GPU found", "installing pagedllm"):
+        assert step in said, step
+    assert "default model" in said and "is ready" in said
+    installs = [line for line in steps if "pip install" in line and "echo" not in line]
+    assert len(installs) >= 4 and all(" -q " in line for line in installs)  # quiet pip
+    bench = _make("-n", "bench", f"VENV={venv}")
+    assert '"==> 1 of 2: pagedllm bench latency' in bench and '"==> 2 of 2:' in bench
+
+
+def test_the_license_is_an_spdx_expression_without_a_warning() -> None:
+    """setuptools deprecates `license = { text = ... }` and warned about it on every install."""
+    import warnings
+
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    dist = Distribution()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_configuration(dist, ROOT / "pyproject.toml")
+    assert [str(w.message) for w in caught if "license" in str(w.message).lower()] == []
+    assert dist.metadata.license_expression == "Apache-2.0"

@@ -545,7 +545,7 @@ def _plot_run(args, model, settings: dict[str, Any], work, context) -> None:
     llm = ours.build_llm(model, settings, _log)
     try:
         llm.engine.recorder = StepRecorder()
-        ours._generate(llm, work)
+        ours._generate(llm, work, desc=f"pagedllm {args.workload} (untimed, for --plot)")
         pages = plural(llm.stats()["pages_total"], "page")
         title = f"{args.workload}: {plural(work.num_requests, 'request')}, {pages}"
         for path in plot_run(llm.engine.recorder, args.plot, title):

@@ -7,13 +7,19 @@ or the peer (`hf_peer.py`).
 
 Every request is greedy with EOS ignored, so each makes exactly its
 `max_tokens`; a run that does not is an error, never a figure.
+
+While a measured run goes, a bar of its output tokens is drawn on stderr when
+stderr is a terminal (`make bench`); in a log file (the GPU scripts) there is
+none, and the engine is not touched: the figures of record are taken so.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -47,16 +53,54 @@ def _sync(llm: LLM) -> None:
         torch.cuda.synchronize(llm.engine.model.device)
 
 
+@contextmanager
+def progress(llm: LLM, w: Workload, desc: str | None) -> Iterator[None]:
+    """A bar of `w`'s output tokens on stderr while the block runs, when stderr is a
+    terminal. Counted after each engine step (the engine's `step` is wrapped for the
+    block: ~1 us a step); `LLM.generate`'s own bar counts finished requests, which
+    says nothing for a batch-1 run. Elsewhere, or with no `desc`, nothing is done."""
+    if desc is None or not sys.stderr.isatty():
+        yield
+        return
+    from tqdm import tqdm
+
+    engine = llm.engine
+    own = vars(engine).get("step")  # an instance attribute already there, if any
+    step = engine.step
+    bar = tqdm(total=w.output_tokens, desc=desc, unit="tok", leave=False, file=sys.stderr)
+
+    def counted():
+        outs = step()
+        bar.update(sum(len(o.new_token_ids) for o in outs))
+        return outs
+
+    engine.step = counted
+    try:
+        yield
+    finally:
+        if own is None:
+            del engine.step  # the class's method again
+        else:
+            engine.step = own
+        bar.close()
+
+
 def _generate(
-    llm: LLM, w: Workload, on_step: Callable[[Any], None] | None = None
+    llm: LLM,
+    w: Workload,
+    on_step: Callable[[Any], None] | None = None,
+    desc: str | None = None,
 ) -> tuple[list[Any], float]:
-    """Run a workload once; return the outputs and the wall seconds of the whole call."""
+    """Run a workload once; return the outputs and the wall seconds of the whole call.
+
+    `desc`: the label of its progress bar (`progress`), None for none."""
     params = [_params(m) for m in w.max_tokens]
     _sync(llm)
-    t0 = time.perf_counter()
-    outs = llm.generate(w.prompts, params, use_tqdm=False, on_step=on_step)
-    _sync(llm)
-    wall = time.perf_counter() - t0
+    with progress(llm, w, desc):
+        t0 = time.perf_counter()
+        outs = llm.generate(w.prompts, params, use_tqdm=False, on_step=on_step)
+        _sync(llm)
+        wall = time.perf_counter() - t0
     for i, (o, m) in enumerate(zip(outs, w.max_tokens)):
         if len(o.token_ids) != m:
             raise RuntimeError(
@@ -108,7 +152,7 @@ def run_throughput(llm: LLM, w: Workload, warmup: Workload) -> BenchResult:
     _generate(llm, warmup)
     counter = _StepCounter(llm)
     before = llm.stats()
-    outs, wall = _generate(llm, w)
+    outs, wall = _generate(llm, w, desc=f"pagedllm {w.name}")
     steps, decode_steps = counter.steps()
     # Top level: the engine's totals since it was built (peaks include the warm-up,
     # which is smaller); "last_call": the measured call alone.
@@ -178,7 +222,8 @@ def run_latency(llm: LLM, w: Workload, warmup: Workload, runs: int) -> BenchResu
     counter = _StepCounter(llm)
     samples = []
     for run in range(runs):
-        (out,), wall = _generate(llm, _uncached(llm, w, run))
+        desc = f"pagedllm latency, run {run + 1} of {runs}"
+        (out,), wall = _generate(llm, _uncached(llm, w, run), desc=desc)
         samples.append((out.time_per_output_token, out.time_to_first_token, wall))
     tpot, ttft, wall = sorted(samples)[len(samples) // 2]  # the median run by TPOT
     n = w.max_tokens[0]
