@@ -3,18 +3,20 @@
 Owns: the figure (one line per admission policy, the pool size as a dashed
 line). Does not own: the figures it draws (`ours.trace_pages` records them).
 
-matplotlib is optional (`pip install matplotlib`, or the `plot` extra:
-`pip install 'pagedllm[plot]'`); it is imported only here, only for --plot.
+matplotlib is optional (`pip install matplotlib`, or in a clone the `plot`
+extra: `pip install -e '.[plot]'`); it is imported only here, only for --plot.
 """
 
 from __future__ import annotations
 
+import sys
 import textwrap
 from typing import Any
 
+# The interpreter that runs pagedllm is the one to install into (a venv's, say).
 INSTALL_HINT = (
-    "--plot needs matplotlib, which is not installed: pip install matplotlib "
-    "(or pip install 'pagedllm[plot]')"
+    f"--plot needs matplotlib, which is not installed: {sys.executable} -m pip install "
+    "matplotlib (in a clone of pagedllm: pip install -e '.[plot]')"
 )
 
 
