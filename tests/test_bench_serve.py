@@ -14,15 +14,20 @@ import contextlib
 import http.server
 import json
 import random
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 pytest.importorskip("uvicorn")
 
-from pagedllm.bench import serve_bench  # noqa: E402
+from pagedllm.bench import serve_bench, workloads  # noqa: E402
 from pagedllm.bench.cli import bench_main  # noqa: E402
 from pagedllm.bench.workloads import draw_throughput  # noqa: E402
 from server_helpers import MODEL, Server, free_port  # noqa: E402
@@ -286,3 +291,172 @@ def test_the_sse_reader_byte_by_byte_equals_all_at_once():
     assert whole == one_by_one == [*EVENTS, "[DONE]"]
     last = serve_bench.SSEReader()  # a last event without its blank line still counts
     assert last.feed(b"data: a\ndata: b") == [] and last.close() == ["a\nb"]
+
+
+# ---------------------------------------------------------------- the fast paths, exactly
+def _sse_reference(pieces: list[bytes]) -> list[str]:
+    """The SSE format read line by line, as the reader did before its fast path: the oracle."""
+    events, data, buffer = [], [], b""
+    for piece in [*pieces, b"\n\n"]:
+        *lines, buffer = (buffer + piece).split(b"\n")
+        for raw in lines:
+            line = raw.removesuffix(b"\r").decode()
+            if not line:
+                if data:
+                    events.append("\n".join(data))
+                    data = []
+            elif line.startswith("data:"):
+                data.append(line[5:].removeprefix(" "))
+    return events
+
+
+_SSE_LINES = st.sampled_from(
+    ["data: {}", 'data: {"a": 1}', "data:x", "data: é", ": comment", "event: e", "id: 7", ""]
+)
+
+
+@given(
+    events=st.lists(st.lists(_SSE_LINES, min_size=1, max_size=3), max_size=6),
+    crlf=st.lists(st.booleans(), min_size=20, max_size=20),
+    cuts=st.lists(st.integers(0, 400), max_size=6),
+)
+def test_the_sse_fast_path_reads_as_the_lines_do(events, crlf, cuts):
+    """Bodies of whole events, split lines, CRLF and LF mixed, comments and
+    multi-line data, cut anywhere: the same events as the line-by-line reading."""
+    body, k = b"", 0
+    for lines in events:
+        for line in [*lines, ""]:
+            body += line.encode() + (b"\r\n" if crlf[k % len(crlf)] else b"\n")
+            k += 1
+    pieces = _split(body, sorted(c for c in set(cuts) if 0 < c < len(body)))
+    reader = serve_bench.SSEReader()
+    got = [e for piece in pieces for e in reader.feed(piece)] + reader.close()
+    assert got == _sse_reference(pieces)
+
+
+def _vllm_event(text: str, finish: str | None = None) -> str:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    choice["stop_reason"] = None
+    event = {"id": "cmpl-9", "object": "text_completion", "created": 1, "model": "m"}
+    return json.dumps(event | {"choices": [choice], "usage": None}, separators=(",", ":"))
+
+
+def _pagedllm_event(text: str, model: str = "m", ascii: bool = False) -> str:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+    event = {"id": "cmpl-1", "object": "text_completion", "model": model, "choices": [choice]}
+    return json.dumps(event, ensure_ascii=ascii)
+
+
+def _parse_all(parse, events: list[str]) -> list[object]:
+    """Each event's result, or the error it raises, as a value to compare."""
+    out = []
+    for e in events:
+        try:
+            out.append(parse(e))
+        except serve_bench.HTTPFailure as x:
+            out.append(("HTTPFailure", str(x)))
+    return out
+
+
+@given(texts=st.lists(st.text(max_size=4), min_size=1, max_size=12))
+def test_the_event_parser_equals_parse_event(texts):
+    streams = [
+        [_pagedllm_event(t) for t in texts],
+        [_pagedllm_event(t, ascii=True) for t in texts],
+        [_vllm_event(t) for t in texts] + [_vllm_event("x", "length")],
+        # The text also stands in the model's name: the place must be the text's.
+        [_pagedllm_event(t, model=texts[0]) for t in texts],
+    ]
+    for events in streams:
+        events = [*events, json.dumps({"choices": [], "usage": {"completion_tokens": 5}})]
+        parser = serve_bench.EventParser()
+        assert _parse_all(parser.parse, events) == _parse_all(serve_bench.parse_event, events)
+
+
+def test_the_event_parser_is_exact_off_the_usual_shape():
+    base = _pagedllm_event("ab")
+    head, tail = base.split('"ab"')
+    events = [
+        base,
+        head + '"cd"' + tail,  # the shortcut: same place, another literal
+        head + '"\\u00e9\\n"' + tail,  # escapes in it
+        head + '""' + tail,  # an empty text
+        head + '"\\x"' + tail,  # not a JSON string: the error parse_event gives
+        head + '"a" "b"' + tail,  # two literals: not JSON
+        head + '"a\x01"' + tail,  # a control character: not JSON
+        head + "5" + tail,  # not a string
+        head.replace("cmpl-1", "cmpl-2") + '"ef"' + tail,  # the head moved: parsed in full
+        '{"choices": [{"text": "a", "text": "b"}]}',  # json keeps the last
+        '{"choices": [{"text": "a", "text": "b"}]}'.replace('"b"', '"c"'),
+        '{"error": {"message": "gone"}}',
+    ]
+    parser = serve_bench.EventParser()
+    assert _parse_all(parser.parse, events) == _parse_all(serve_bench.parse_event, events)
+    assert parser._hits >= 3  # the shortcut did serve
+
+
+@given(
+    sizes=st.lists(st.integers(1, 40), max_size=8),
+    cuts=st.lists(st.integers(0, 400), max_size=8),
+    ext=st.booleans(),
+)
+def test_the_body_decoder_undoes_any_chunking(sizes, cuts, ext):
+    payload = bytes(range(256)) * 2
+    wire, at = b"", 0
+    for size in sizes:
+        wire += f"{size:X}{';x=y' if ext else ''}\r\n".encode() + payload[at : at + size] + b"\r\n"
+        at += size
+    wire += b"0\r\n\r\n"
+    decoder = serve_bench.BodyDecoder({"transfer-encoding": "chunked"})
+    out = b""
+    for piece in _split(wire, sorted(c for c in set(cuts) if 0 < c < len(wire))):
+        out += decoder.feed(piece)
+    assert decoder.done and out == payload[:at]
+    short = serve_bench.BodyDecoder({"transfer-encoding": "chunked"})
+    short.feed(wire[: len(wire) - 5])
+    with pytest.raises(serve_bench.HTTPFailure, match="connection closed in the middle"):
+        short.eof()
+
+
+# ---------------------------------------------------------------- against the stub server
+@contextlib.contextmanager
+def _stub(*args: str):
+    """python -m pagedllm.bench.serve_stub in its own process; yields its URL."""
+    cmd = [sys.executable, "-m", "pagedllm.bench.serve_stub", "--port", "0", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.startswith("listening on "), line
+        yield line.removeprefix("listening on ")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.mark.parametrize("pace", [[], ["--tokens-per-s", "2000"]])
+def test_the_client_counts_the_stubs_stream_exactly(pace):
+    """Every request's tokens and events, at full speed (many events per read)
+    and one token per stream every 0.5 ms (few)."""
+    max_tokens = [1, 2, 7, 64, 300]
+    work = workloads.Workload("stub", [[1, 2, 3]] * len(max_tokens), max_tokens, "test")
+    with _stub(*pace) as url:
+        client = serve_bench.Client(serve_bench.Endpoint.parse(url), "stub", {}, True, 10)
+        results, peak = asyncio.run(serve_bench.run_rate(client, work, float("inf"), None, 0))
+    assert peak == len(max_tokens)
+    for r, n in zip(results, max_tokens):
+        assert r.ok, r.error
+        assert (r.output_tokens, r.events, len(r.itl)) == (n, n + 2, n - 1)
+        assert r.ttft is not None and 0 < r.ttft <= r.e2e
+
+
+def test_the_client_benchmark_reports_exact_counts(tmp_path):
+    script = Path(__file__).parent.parent / "scripts" / "bench_client.py"
+    argv = ["--num-requests", "20", "--output-len", "50", "--json", str(tmp_path / "c.json")]
+    done = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    assert record == json.loads((tmp_path / "c.json").read_text())
+    assert record["bench"] == "serve-client" and record["exact"] is True
+    assert (record["completed"], record["failed"]) == (20, 0)
+    assert record["events"] == record["events_expected"] == 20 * 52
+    assert record["events_per_s"] == pytest.approx(20 * 52 / record["duration_s"], rel=1e-3)

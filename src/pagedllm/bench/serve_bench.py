@@ -29,15 +29,19 @@ stdout). Logs go to stderr. Errors as every `pagedllm` command: a bad option
 is a usage error (exit 2); a server that cannot be reached or refuses us is
 one line `pagedllm bench serve: error: ...` (exit 1).
 
-Owns: the HTTP client (`http_request`, `body_chunks`), the SSE reader
-(`SSEReader`), the timing of one request (`send_completion`), the arrival
-process (`run_rate`) and the statistics (`percentile`, `summarize`). Does not
-own: the draw (workloads.py), the server (pagedllm/server/), the error style
-(pagedllm/cli_errors.py) or the JSON line's printing (report.emit).
+Owns: the HTTP client (`http_request`, `BodyDecoder`, `body_chunks`), the
+SSE reader (`SSEReader`), the events' parsing (`parse_event`, `EventParser`),
+the timing of one request (`send_completion`), the arrival process
+(`run_rate`) and the statistics (`percentile`, `summarize`). Does not own:
+the draw (workloads.py), the server (pagedllm/server/), the error style
+(pagedllm/cli_errors.py), the JSON line's printing (report.emit) or the stub
+server its own benchmark runs against (serve_stub.py, scripts/bench_client.py).
 
-Limits, so the figures are read right: one Python thread parses every event,
-so at tens of thousands of streamed tokens per second the client itself can
-become the bottleneck (watch its CPU). An event's time is when the read that
+Limits, so the figures are read right: one Python thread parses every event.
+On one core of a 2-core EPYC VM it reads about 150,000 events per CPU-second
+when many come per read and about 65,000 when each comes on its own
+(docs/benchmarks.md, "The serving client alone"); past that the client is
+the bottleneck (watch its CPU). An event's time is when the read that
 brought it returned: events that arrive in one read share a time, and their
 ITL gaps are 0. TTFT and E2E include opening the connection.
 """
@@ -71,7 +75,10 @@ DEFAULT_NUM_REQUESTS = 256
 DEFAULT_TIMEOUT_S = 600.0
 MODELS_TIMEOUT_S = 60.0  # GET /v1/models answers at once on a live server
 PERCENTILES = (50, 90, 99)
+_scan_json = json.JSONDecoder().scan_once  # json.loads's scanner (the C one), called directly
+_scan_string = json.decoder.scanstring  # and the function it reads string literals with
 READ_SIZE = 1 << 16
+LINE_LIMIT = 1 << 16  # a chunk-size line longer than this is not HTTP
 
 
 class BenchError(Exception):
@@ -189,58 +196,110 @@ async def read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
         return status, headers
 
 
-async def body_chunks(
-    reader: asyncio.StreamReader, headers: dict[str, str]
-) -> AsyncIterator[bytes]:
-    """The body's bytes as they arrive: chunked, or Content-Length bytes, or up to EOF.
+class BodyDecoder:
+    """A response body's framing undone as its bytes arrive, in whatever pieces:
+    chunked, Content-Length bytes, or up to EOF.
 
-    Chunked framing is `SIZE-IN-HEX[;ext]\\r\\n DATA \\r\\n`, ending with a size
-    of 0. Trailers after it are not read: the connection closes after each
-    request anyway.
+    `feed(raw)` returns the body's bytes in `raw` (a chunk's data may come out
+    in parts, as it arrives); `done` is set at the end of the body; `eof()`
+    says the connection closed and raises if that cut the body short. Chunked
+    framing is `SIZE-IN-HEX[;ext]\\r\\n DATA \\r\\n`, ending with a size of 0;
+    trailers after it are not read: the connection closes after each request
+    anyway. It works on whole reads rather than awaiting each chunk's parts
+    one at a time: a read that brings hundreds of events costs one pass, not
+    three awaits per event.
     """
-    if "chunked" in headers.get("transfer-encoding", "").lower():
-        while True:
-            line = await _read_line(reader)
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        self.chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+        self.done = False
+        self.left: int | None = None  # bytes to come: of this chunk, or of the body; None: EOF
+        self._crlf = False  # chunked: a chunk's data is all here, its CRLF is next
+        self._buffer = b""  # chunked: an unfinished size line or CRLF
+        if self.chunked:
+            self.left = 0
+        elif "content-length" in headers:
+            try:
+                self.left = int(headers["content-length"])
+            except ValueError:
+                raise HTTPFailure(f"a bad Content-Length {headers['content-length']!r}") from None
+            self.done = self.left <= 0
+
+    def want(self) -> int:
+        """How many bytes to read next: never past a Content-Length body's end."""
+        if self.chunked or self.left is None:
+            return READ_SIZE
+        return min(self.left, READ_SIZE)
+
+    def feed(self, raw: bytes) -> bytes:
+        if self.chunked:
+            return self._unchunk(raw)
+        if self.left is not None:
+            self.left -= len(raw)
+            self.done = self.left <= 0
+        return raw
+
+    def eof(self) -> None:
+        """The connection closed: the end of an up-to-EOF body, else a body cut short."""
+        if self.done:
+            return
+        if self.chunked:
+            if self.left or self._crlf:
+                raise HTTPFailure("the connection closed in the middle of a chunk")
+            raise HTTPFailure("the connection closed in the middle of the body")
+        if self.left is not None:
+            raise HTTPFailure(f"the body ended {self.left} bytes short of its Content-Length")
+        self.done = True
+
+    def _unchunk(self, raw: bytes) -> bytes:
+        buf = self._buffer + raw if self._buffer else raw
+        pos, end, out = 0, len(buf), []
+        while pos < end and not self.done:
+            if self.left:  # inside a chunk's data
+                stop = pos + self.left
+                out.append(buf[pos:stop])
+                if stop > end:
+                    self.left, pos = stop - end, end
+                    break
+                self.left, pos, self._crlf = 0, stop, True
+            if self._crlf:
+                if end - pos < 2:
+                    break
+                if buf[pos : pos + 2] != b"\r\n":
+                    raise HTTPFailure("a chunk does not end in CRLF")
+                pos, self._crlf = pos + 2, False
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                if end - pos > LINE_LIMIT:
+                    raise HTTPFailure("a chunk-size line over 64 KiB")
+                break
+            line = buf[pos:eol]
             try:
                 size = int(line.split(b";", 1)[0].strip(), 16)
             except ValueError:
-                raise HTTPFailure(f"a bad chunk-size line {line[:40]!r}") from None
+                size = -1
+            if size < 0:
+                raise HTTPFailure(f"a bad chunk-size line {line[:40]!r}")
+            pos = eol + 2
             if size == 0:
-                return
-            data = await _read_exactly(reader, size)
-            if await _read_exactly(reader, 2) != b"\r\n":
-                raise HTTPFailure("a chunk does not end in CRLF")
+                self.done = True
+            self.left = size
+        self._buffer = buf[pos:] if pos < end and not self.done else b""
+        return out[0] if len(out) == 1 else b"".join(out)
+
+
+async def body_chunks(
+    reader: asyncio.StreamReader, headers: dict[str, str]
+) -> AsyncIterator[bytes]:
+    """The body's bytes as they arrive, one piece per read (BodyDecoder undoes the framing)."""
+    body = BodyDecoder(headers)
+    while not body.done:
+        raw = await reader.read(body.want())
+        if not raw:
+            body.eof()
+            return
+        if data := body.feed(raw):
             yield data
-    elif "content-length" in headers:
-        try:
-            left = int(headers["content-length"])
-        except ValueError:
-            raise HTTPFailure(f"a bad Content-Length {headers['content-length']!r}") from None
-        while left > 0:
-            data = await reader.read(min(left, READ_SIZE))
-            if not data:
-                raise HTTPFailure(f"the body ended {left} bytes short of its Content-Length")
-            left -= len(data)
-            yield data
-    else:
-        while data := await reader.read(READ_SIZE):
-            yield data
-
-
-async def _read_line(reader: asyncio.StreamReader) -> bytes:
-    try:
-        return (await reader.readuntil(b"\r\n"))[:-2]
-    except asyncio.IncompleteReadError:
-        raise HTTPFailure("the connection closed in the middle of the body") from None
-    except asyncio.LimitOverrunError:
-        raise HTTPFailure("a chunk-size line over 64 KiB") from None
-
-
-async def _read_exactly(reader: asyncio.StreamReader, n: int) -> bytes:
-    try:
-        return await reader.readexactly(n)
-    except asyncio.IncompleteReadError:
-        raise HTTPFailure("the connection closed in the middle of a chunk") from None
 
 
 # ------------------------------------------------------------------ Server-Sent Events
@@ -261,7 +320,30 @@ class SSEReader:
         self._data: list[str] = []  # the data lines of an unfinished event
 
     def feed(self, piece: bytes) -> list[str]:
-        *lines, self._buffer = (self._buffer + piece).split(b"\n")
+        buf = self._buffer + piece if self._buffer else piece
+        if self._data:  # inside an event: line by line
+            return self._lines(buf)
+        # The fast path, for what servers send: whole events of one line each,
+        # `data: X` then a blank line. With no event under way, `buf` starts a
+        # line, so each piece between two blank lines that is one `data: ` line
+        # is an event as the line-by-line reading would see it; the first piece
+        # that is not hands the rest to that reading.
+        sep = b"\r\n\r\n" if b"\r" in buf else b"\n\n"
+        blocks = buf.split(sep)
+        rest = blocks.pop()  # after the last blank line: an unfinished event, or b""
+        events = []
+        for i, block in enumerate(blocks):
+            if block.startswith(b"data: ") and b"\n" not in block and b"\r" not in block:
+                events.append(block.decode()[6:])  # invalid UTF-8: UnicodeDecodeError
+            else:
+                rest = sep.join([*blocks[i:], rest])
+                break
+        self._buffer = b""
+        return events + self._lines(rest) if rest else events
+
+    def _lines(self, buf: bytes) -> list[str]:
+        """The reading of the format, line by line."""
+        *lines, self._buffer = buf.split(b"\n")
         events = []
         for raw in lines:
             line = raw.removesuffix(b"\r").decode()  # invalid UTF-8: UnicodeDecodeError
@@ -326,6 +408,7 @@ class RequestResult:
     ttft: float | None = None
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    events: int = 0  # SSE events read, the usage event and [DONE] included
     error: str | None = None
 
     @property
@@ -367,23 +450,47 @@ async def _stream(client: Client, prompt: list[int], max_tokens: int, r: Request
     try:
         if response.status != 200:
             raise HTTPFailure(await _status_message(response))
+        # The body's reads, unframed and split into events here, not through
+        # body_chunks and sse_events: two async generators per event cost more
+        # than the rest of the event's reading (docs/benchmarks.md, "The
+        # serving client alone"). Same steps, same times.
         texts, usage_tokens, last = 0, None, None
-        async with contextlib.aclosing(sse_events(response.chunks())) as events:
-            async for now, data in events:
-                if data == "[DONE]":
-                    r.end = now
-                    r.output_tokens = usage_tokens if usage_tokens is not None else texts
-                    return
-                text, tokens = parse_event(data)
-                if tokens is not None:
-                    usage_tokens = tokens
-                if text:
-                    texts += 1
-                    if last is None:
-                        r.ttft = now - r.start
-                    else:
-                        r.itl.append(now - last)
-                    last = now
+        body, sse, reader = BodyDecoder(response.headers), SSEReader(), response.reader
+        parse = EventParser().parse
+
+        def take(now: float, data: str) -> bool:
+            """Count one event; True at [DONE]."""
+            nonlocal texts, usage_tokens, last
+            r.events += 1
+            if data == "[DONE]":
+                r.end = now
+                r.output_tokens = usage_tokens if usage_tokens is not None else texts
+                return True
+            text, tokens = parse(data)
+            if tokens is not None:
+                usage_tokens = tokens
+            if text:
+                texts += 1
+                if last is None:
+                    r.ttft = now - r.start
+                else:
+                    r.itl.append(now - last)
+                last = now
+            return False
+
+        while not body.done:
+            raw = await reader.read(body.want())
+            now = time.perf_counter()
+            if not raw:
+                body.eof()
+                break
+            if data := body.feed(raw):
+                for event in sse.feed(data):
+                    if take(now, event):
+                        return
+        for event in sse.close():
+            if take(time.perf_counter(), event):
+                return
         raise HTTPFailure("the stream ended without data: [DONE]")
     finally:
         response.close()
@@ -392,9 +499,17 @@ async def _stream(client: Client, prompt: list[int], max_tokens: int, r: Request
 def parse_event(data: str) -> tuple[str, int | None]:
     """One event of a /v1/completions stream: (choices[0].text, usage.completion_tokens)."""
     try:
-        event = json.loads(data)
-    except ValueError:
-        raise HTTPFailure(f"an event that is not JSON: {data[:100]!r}") from None
+        # json.loads without its Python layers: the same scan, and json.loads
+        # itself (the same result or error) whenever the scan does not take
+        # the whole text (leading or trailing space, bad JSON).
+        event, end = _scan_json(data, 0)
+        if end != len(data):
+            event = json.loads(data)
+    except (StopIteration, ValueError):
+        try:
+            event = json.loads(data)
+        except ValueError:
+            raise HTTPFailure(f"an event that is not JSON: {data[:100]!r}") from None
     if not isinstance(event, dict):
         raise HTTPFailure(f"an event that is not a JSON object: {data[:100]!r}")
     if "error" in event:  # vLLM and others report a failure inside the stream
@@ -408,6 +523,75 @@ def parse_event(data: str) -> tuple[str, int | None]:
     usage = event.get("usage")
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
     return text or "", tokens if isinstance(tokens, int) else None
+
+
+class EventParser:
+    """`parse_event` for the events of one stream, with an exact shortcut for
+    the events that servers send one token at a time.
+
+    Such events differ only in their text: `{"id": ..., "choices": [{"index":
+    0, "text": " the", ...}]}` then the same with " cat". Once one event has
+    been parsed in full, the text before and after its `choices[0].text`
+    literal (`head`, `tail`) is learnt; a later event that is `head`, one
+    JSON string literal, `tail` parses as that event with only the text
+    replaced, so its result is (the literal's value, the learnt token count)
+    at the cost of reading one string (`json.decoder.scanstring`, the
+    function json.loads reads strings with) instead of the whole event.
+
+    Exact, not a guess: a place is learnt only after the event with the
+    literal there replaced by a marker string parses, in full, to the marker
+    as `choices[0].text` and the same token count. JSON's grammar is
+    context-free, so any other string literal in that place is read as that
+    same value. Events that do not match (the last one, with its
+    finish_reason; the usage event) are parsed in full. At most
+    `LEARN_TRIES` events of a stream are tried for a place, and none once a
+    place has served, so a server whose events all differ costs at most
+    that many extra parses.
+    """
+
+    LEARN_TRIES = 2
+    MARK = "\x00pagedllm-bench-mark"
+
+    def __init__(self) -> None:
+        self._head: str | None = None
+        self._tail = ""
+        self._tokens: int | None = None
+        self._tries = self.LEARN_TRIES
+        self._hits = 0  # events read through the shortcut
+
+    def parse(self, data: str) -> tuple[str, int | None]:
+        head, tail = self._head, self._tail
+        if head is not None and data.startswith(head) and data.endswith(tail):
+            start, stop = len(head), len(data) - len(tail)
+            if stop - start >= 2 and data[start] == '"':
+                try:
+                    text, end = _scan_string(data, start + 1)
+                except ValueError:  # a bad literal: parse_event says what is wrong
+                    pass
+                else:
+                    if end == stop:
+                        self._hits += 1
+                        return text, self._tokens
+        text, tokens = parse_event(data)
+        if text and self._tries and not self._hits:  # a place that served once is kept
+            self._tries -= 1
+            self._learn(data, text, tokens)
+        return text, tokens
+
+    def _learn(self, data: str, text: str, tokens: int | None) -> None:
+        """Find the literal of `text` that is choices[0].text (json.dumps's spellings of it)."""
+        mark = json.dumps(self.MARK)
+        for literal in dict.fromkeys([json.dumps(text, ensure_ascii=False), json.dumps(text)]):
+            at = data.find(literal)
+            while at >= 0:
+                head, tail = data[:at], data[at + len(literal) :]
+                try:
+                    if parse_event(head + mark + tail) == (self.MARK, tokens):
+                        self._head, self._tail, self._tokens = head, tail, tokens
+                        return
+                except HTTPFailure:
+                    pass
+                at = data.find(literal, at + 1)
 
 
 async def _status_message(response: Response) -> str:
@@ -533,7 +717,12 @@ async def run_rate(
         arrival_times(n, rate, seed), work.prompts, work.max_tokens
     ):
         # Sleep to the arrival's moment, not by the gap: late wake-ups do not add up.
-        await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
+        # An arrival already due is sent without yielding: a yield per request
+        # would pace the sends by the event loop's turns, which are long when
+        # many streams are being read (`inf` would no longer be all at once).
+        delay = t0 + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
         tasks.append(asyncio.ensure_future(one(prompt, max_tokens)))
     results = await asyncio.gather(*tasks)
     return results, in_flight.peak
