@@ -8,6 +8,7 @@ Each test names the item it shows. The import graph is read with the same
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -185,3 +186,30 @@ def test_the_license_is_an_spdx_expression_without_a_warning() -> None:
         apply_configuration(dist, ROOT / "pyproject.toml")
     assert [str(w.message) for w in caught if "license" in str(w.message).lower()] == []
     assert dist.metadata.license_expression == "Apache-2.0"
+
+
+# ------------------------------------------------------------------ item 19
+SCRIPTS = ROOT / "scripts"
+
+
+def test_every_script_is_described_in_the_scripts_readme() -> None:
+    readme = (SCRIPTS / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `([\w.-]+)` \|", readme, flags=re.M)
+    present = {p.name for p in SCRIPTS.iterdir() if p.is_file() and p.suffix in (".py", ".sh")}
+    assert len(rows) == len(set(rows))
+    assert sorted(present - set(rows)) == []  # each script says what it is for
+    assert not any(re.search(r"issue\d", name) for name in present)  # named for its use
+
+
+def test_every_script_a_document_names_exists() -> None:
+    """docs/, the READMEs, CONTRIBUTING.md, src/, tests/ and the scripts themselves:
+    each `scripts/NAME` they give (to rerun a figure) is there."""
+    texts = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    for folder in ("src", "tests", "scripts"):
+        texts += sorted(p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".sh"))
+    missing = set()
+    for path in texts:
+        for name in re.findall(r"scripts/([\w-]+\.(?:py|sh))\b", path.read_text(encoding="utf-8")):
+            if not (SCRIPTS / name).is_file():
+                missing.add(f"{path.relative_to(ROOT)}: scripts/{name}")
+    assert sorted(missing) == []
