@@ -1,0 +1,347 @@
+"""The engine core in a process of its own: what `pagedllm serve` steps.
+
+    HTTP process (server/)                         engine-core process (this file)
+    ---------------------                          -------------------------------
+    parse, template, tokenize                      LLMEngine: scheduler, KV pool,
+    AddRequest / Abort      ---- ZMQ PUSH ---->    runner, sampling
+                                                   loop: drain inputs, step, send
+    detokenize, stop strings <--- ZMQ PULL ----    one Step message per engine step
+    SSE, metrics                                   (every request's new token ids)
+
+Why a process: the HTTP side's Python (parsing, detokenizing, formatting an SSE
+event per token) and the loop that steps the engine share one GIL when they
+share a process; at saturation the stepping thread then waits for the GIL
+between steps, and the GPU idles. In its own process the loop steps whenever
+there is work and never waits on HTTP.
+
+Owns: the wire format (msgspec structs, MessagePack), the core's busy loop
+(`EngineCoreLoop`), its start-up (`Ready`, or `Failed` with one line) and its
+end (a `Shutdown` message, or the HTTP process gone: the core never outlives
+it). Does not own: text (the HTTP process detokenizes and matches stop strings
+itself, and sends an `Abort` when one matches) or anything a step does: the
+same `LLMEngine` class runs the offline `LLM` in one process.
+
+Messages are batched: the core sends one `Step` per engine step carrying every
+request's new token ids, finish reason and log-probs, never one message per
+token. Rejections (a prompt too long for the pool) ride in the next `Step` as
+outputs with finish reason "rejected".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+# ------------------------------------------------------------------ messages
+# HTTP process -> core
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    id: int  # the client's id (the engine numbers requests itself)
+    prompt_token_ids: list[int]
+    params: dict[str, Any]  # SamplingParams' fields, stop strings removed
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    ids: list[int]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+# core -> HTTP process
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    """The model is loaded and the pool sized: the HTTP process may bind its port."""
+
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    model_path: str | None
+    load_time_s: float
+
+
+class Failed(msgspec.Struct, tag="failed", array_like=True):
+    """The core cannot go on (or could not start): one line that says why."""
+
+    message: str
+
+
+class RequestOutput(msgspec.Struct, array_like=True):
+    """One request's part of one step."""
+
+    id: int
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # a FinishReason's value once finished
+    stop_reason: int | str | None = None  # the EOS / stop token id that ended it
+    logprobs: list[dict[int, float]] | None = None  # one entry per new token
+    error: str | None = None  # why it was rejected or failed
+
+
+class Gauges(msgspec.Struct, array_like=True):
+    """The engine's counters after a step (what /metrics shows)."""
+
+    running: int
+    waiting: int
+    pages_used: int
+    pages_free: int
+    pages_total: int
+    prefix_cache_hit_rate: float
+    preemptions: int
+    admission_waits: int
+
+
+class Step(msgspec.Struct, tag="step", array_like=True):
+    outputs: list[RequestOutput]
+    gauges: Gauges
+
+
+ToCore = AddRequest | Abort | Shutdown
+FromCore = Ready | Failed | Step
+
+
+def params_to_wire(params: Any) -> dict[str, Any]:
+    """A SamplingParams as plain values (its own checks run again in the core)."""
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+
+
+# ------------------------------------------------------------------ set-up
+
+
+@dataclass(frozen=True)
+class CoreSetup:
+    """What the core process needs to build its engine (pickled once, at spawn)."""
+
+    config: Any  # EngineConfig (model path, load format, every engine flag)
+    tokenizer_spec: Any = None  # model_source.ModelSpec whose tokenizer the engine takes
+    input_address: str = ""  # the HTTP process binds both; the core connects
+    output_address: str = ""
+    parent_pid: int = 0
+    switch_interval_s: float | None = None
+
+
+def run_engine_core(setup: CoreSetup) -> None:
+    """The core process's entry point (multiprocessing, spawn). Exits 0 after a
+    Shutdown, 1 after a failure (reported first as `Failed`)."""
+    import zmq
+
+    # Ctrl-C in a terminal reaches the whole process group: the HTTP process
+    # decides how to stop (gracefully), then sends Shutdown.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    inputs.connect(setup.input_address)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 5000)
+    outputs.connect(setup.output_address)
+    encoder = msgspec.msgpack.Encoder()
+    code = 1
+    try:
+        engine = _build_engine(setup)
+        kv = engine.kv_spec
+        path = getattr(engine.model, "source_path", None)
+        ready = Ready(
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.vocab_size,
+            num_blocks=kv.num_blocks,
+            block_size=kv.block_size,
+            model_path=None if path is None else str(path),
+            load_time_s=round(engine.load_time_s, 3),
+        )
+        outputs.send(encoder.encode(ready))
+        try:
+            EngineCoreLoop(engine, inputs, outputs, setup.parent_pid).run()
+        finally:
+            engine.close()
+        code = 0
+    except BaseException as e:  # noqa: BLE001 - reported to the HTTP process in one line
+        with contextlib.suppress(Exception):
+            outputs.send(encoder.encode(Failed(_one_line(e))))
+        if not isinstance(e, (ValueError, FileNotFoundError, OSError, _ParentGone)):
+            import traceback
+
+            traceback.print_exc()
+    finally:
+        inputs.close(linger=0)
+        outputs.close()
+        ctx.term()
+    sys.exit(code)
+
+
+def _build_engine(setup: CoreSetup):
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.model_source import load_tokenizer
+
+    if setup.switch_interval_s is not None:
+        sys.setswitchinterval(setup.switch_interval_s)
+
+    def log(message: str) -> None:
+        print(f"[core] {message}", file=sys.stderr, flush=True)
+
+    tokenizer = None
+    if setup.tokenizer_spec is not None:
+        tokenizer = load_tokenizer(setup.tokenizer_spec, log=lambda m: None)
+    return LLMEngine(setup.config, None, tokenizer, log=log)
+
+
+class _ParentGone(Exception):
+    """The HTTP process is gone: nobody will read what the core makes."""
+
+
+class EngineCoreLoop:
+    """Drain the inputs, step, send one message per step; idle, block on the inputs.
+
+    The loop steps whenever any request is unfinished and only then looks at the
+    sockets without waiting, so a saturated engine never waits on HTTP. Text is
+    not this process's work: requests are added with `detokenize=False`.
+    """
+
+    PARENT_CHECK_S = 1.0
+
+    def __init__(self, engine: Any, inputs: Any, outputs: Any, parent_pid: int) -> None:
+        import zmq
+
+        self.engine = engine
+        self.inputs, self.outputs = inputs, outputs
+        self.parent_pid = parent_pid
+        self.poller = zmq.Poller()
+        self.poller.register(inputs, zmq.POLLIN)
+        self.decoder = msgspec.msgpack.Decoder(ToCore)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.requests: dict[int, Any] = {}  # client id -> engine Request
+        self.client_ids: dict[int, int] = {}  # engine request id -> client id
+        self.pending: list[RequestOutput] = []  # rejections, sent with the next message
+        self.stopping = False
+        self._last_parent_check = time.monotonic()
+
+    def run(self) -> None:
+        from pagedllm.utils import gc_frozen
+
+        engine = self.engine
+        with gc_frozen():  # the process's objects stay out of full GC passes
+            while not self.stopping:
+                busy = engine.has_unfinished()
+                self._take_inputs(wait=not busy)
+                if engine.has_unfinished():
+                    self._send(engine.step())
+                elif self.pending:
+                    self._send([])
+                self._check_parent(busy)
+        for req in list(self.requests.values()):  # Shutdown with requests left
+            engine.abort(req, report=False)
+
+    # ------------------------------------------------------------ inputs
+    def _take_inputs(self, wait: bool) -> None:
+        """Every message waiting; when idle, block until one comes (a second at
+        a time, to notice a parent that died without a word)."""
+        import zmq
+
+        if wait:
+            while not self.poller.poll(int(self.PARENT_CHECK_S * 1000)):
+                self._check_parent(busy=False)
+        while True:
+            try:
+                frame = self.inputs.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(self.decoder.decode(frame.buffer))
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, AddRequest):
+            self._add(msg)
+        elif isinstance(msg, Abort):
+            for cid in msg.ids:
+                req = self.requests.get(cid)
+                if req is not None:
+                    self.engine.abort(req)  # its final output comes with the next step
+        elif isinstance(msg, Shutdown):
+            self.stopping = True
+
+    def _add(self, msg: AddRequest) -> None:
+        from pagedllm.sampling_params import SamplingParams
+        from pagedllm.scheduler import RequestRejected
+
+        try:
+            params = SamplingParams(**msg.params)
+            req = self.engine.add_request(msg.prompt_token_ids, params, detokenize=False)
+        except (RequestRejected, ValueError, TypeError) as e:
+            self.pending.append(RequestOutput(msg.id, [], "rejected", error=str(e)))
+            return
+        self.requests[msg.id] = req
+        self.client_ids[req.request_id] = msg.id
+
+    # ------------------------------------------------------------ outputs
+    def _send(self, outs: list[Any]) -> None:
+        items, self.pending = self.pending, []
+        for out in outs:
+            req = out.request
+            cid = self.client_ids.get(req.request_id)
+            if cid is None:
+                continue
+            item = RequestOutput(cid, out.new_token_ids)
+            state = out.state
+            if state is not None and state.logprobs is not None and out.new_token_ids:
+                item.logprobs = state.logprobs[-len(out.new_token_ids) :]
+            if out.finished:
+                item.finish_reason = str(req.finish_reason)
+                item.stop_reason = req.stop_reason
+                item.error = req.error
+                del self.requests[cid], self.client_ids[req.request_id]
+            items.append(item)
+        self.outputs.send(self.encoder.encode(Step(items, self._gauges())), copy=False)
+
+    def _gauges(self) -> Gauges:
+        s = self.engine.scheduler
+        bm = self.engine.block_manager
+        queried = s.num_cache_query_tokens
+        return Gauges(
+            running=s.num_running,
+            waiting=s.num_waiting,
+            pages_used=bm.num_used_blocks,
+            pages_free=bm.num_free_blocks,
+            pages_total=bm.num_blocks,
+            prefix_cache_hit_rate=round(s.num_cache_hit_tokens / queried, 4) if queried else 0.0,
+            preemptions=s.num_preemptions,
+            admission_waits=s.num_admission_waits,
+        )
+
+    def _check_parent(self, busy: bool) -> None:
+        now = time.monotonic()
+        if busy and now - self._last_parent_check < self.PARENT_CHECK_S:
+            return
+        self._last_parent_check = now
+        if os.getppid() != self.parent_pid:
+            raise _ParentGone("the HTTP process is gone; the engine core stops")
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent dies (prctl
+    PR_SET_PDEATHSIG), even mid-step; elsewhere the loop's parent check does."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, (ValueError, FileNotFoundError, OSError, _ParentGone)):
+        return text
+    return f"{type(e).__name__}: {text}"
