@@ -10,6 +10,10 @@ available first, and the error says what would fit.
 
 from __future__ import annotations
 
+import json
+import os
+import resource
+
 import pytest
 
 from pagedllm import cli, cpu_threads
@@ -46,3 +50,126 @@ def test_llm_threads_above_the_cores_fail_before_loading(monkeypatch, tmp_path) 
     monkeypatch.setattr(cpu_threads, "usable_cores", lambda: 2)
     with pytest.raises(ValueError, match="threads must be at most 2"):
         LLM(model=str(tmp_path / "nothing-here"), threads=100_000)
+
+
+# ------------------------------------------------------------------ item 11: memory
+def tiny_config(**overrides):
+    from pagedllm.config import ModelConfig
+    from tiny_models import BASE_CONFIG
+
+    return ModelConfig.from_hf_dict({**BASE_CONFIG, **overrides})
+
+
+@pytest.fixture
+def gib_available(monkeypatch):
+    """The machine has 1 GiB available (MemAvailable), whatever this one has."""
+    from pagedllm import memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (1 << 30, "MemAvailable"))
+    return 1 << 30
+
+
+def test_dummy_weights_past_the_memory_are_refused_before_allocating(gib_available) -> None:
+    import dataclasses
+
+    import torch
+
+    from pagedllm.model import dummy_model
+    from pagedllm.model.loader import dummy_weight_bytes
+
+    config = tiny_config(num_hidden_layers=10**6)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ValueError) as e:
+        dummy_model(config, "cpu", "float32", source="m/config.json")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 * 1024  # KiB
+    message = str(e.value)
+    assert message.startswith("m/config.json: dummy weights of 1,000,000 layers")
+    assert "more than 90% of the 1.0 GiB available (MemAvailable)" in message
+    assert "\n" not in message and "lower num_hidden_layers" in message
+    # What it says fits does, and one layer more does not.
+    fits = int(message.split("at most ")[1].split(" layers")[0].replace(",", ""))
+    usable = int(gib_available * 0.9)
+    at = dataclasses.replace(config, num_hidden_layers=fits)
+    assert dummy_weight_bytes(at, torch.float32, "cpu") <= usable
+    over = dataclasses.replace(config, num_hidden_layers=fits + 1)
+    assert dummy_weight_bytes(over, torch.float32, "cpu") > usable
+    assert dummy_model(tiny_config(), "cpu", "float32") is not None  # a small one still loads
+
+
+def test_dummy_weights_say_when_not_one_layer_fits(gib_available) -> None:
+    from pagedllm.model import dummy_model
+
+    with pytest.raises(ValueError, match="not one layer of this shape fits: lower hidden_size"):
+        dummy_model(tiny_config(vocab_size=2**22, hidden_size=64), "cpu", "bfloat16")
+
+
+def test_dummy_weights_past_any_machine_fail_through_the_cli(tmp_path, capsys) -> None:
+    """The real MemAvailable: 10**9 layers (130 TB) fit on no machine."""
+    from tiny_models import BASE_CONFIG
+
+    (tmp_path / "config.json").write_text(json.dumps({**BASE_CONFIG, "num_hidden_layers": 10**9}))
+    argv = ["--model", str(tmp_path), "--load-format", "dummy", "--device", "cpu", "hi", "2"]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"error: {tmp_path / 'config.json'}: dummy weights of 1,000,000,000 layers" in err
+
+
+def test_a_kv_cache_past_the_memory_is_refused_before_allocating(gib_available) -> None:
+    from pagedllm.model import dummy_model
+    from pagedllm.runner.model_runner import MiB, plan_kv_cache
+
+    model = dummy_model(tiny_config(), "cpu", "float32")
+    # 256 bytes a token: 2**20 tokens of 4,096 sequences is 1 TiB, past 1 GiB.
+    with pytest.raises(ValueError) as e:
+        plan_kv_cache(model, 16, 1_000_000, 1 << 20, 4096)
+    message = str(e.value)
+    assert message.startswith("the KV cache sized by --kv-cache-mib 1000000 takes 976.6 GiB, ")
+    assert "more than 90% of the 1.0 GiB available (MemAvailable)" in message
+    assert message.endswith("set --kv-cache-mib (kv_cache_mib) to 921 or less")
+    spec, _ = plan_kv_cache(model, 16, 921, 1 << 20, 4096)  # and that fits
+    assert spec.mib <= 921 and spec.num_blocks * 16 * 256 == 921 * MiB
+    # The ranks of a CPU engine share the machine: two halve what each may take.
+    with pytest.raises(
+        ValueError, match="takes 921.0 MiB for each of 2 ranks, together 1.8 GiB, more"
+    ):
+        plan_kv_cache(model, 16, 921, 1 << 20, 4096, ranks=2)
+    # The cache is the planned pages, not the flag: a large budget that few
+    # sequences could use is no error.
+    assert plan_kv_cache(model, 16, 1_000_000, 1024, 4)[0].num_blocks == 64 * 4
+
+
+def test_a_kv_cache_past_the_memory_fails_through_the_cli_and_llm(tmp_path, capsys) -> None:
+    """The real MemAvailable: a 16 TiB cache fits on no machine."""
+    from pagedllm import LLM
+    from tiny_models import BASE_CONFIG
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({**BASE_CONFIG, "max_position_embeddings": 1 << 20})
+    )
+    flags = ["--model", str(tmp_path), "--load-format", "dummy", "--device", "cpu"]
+    flags += ["--kv-cache-mib", "1e9", "--max-num-seqs", "65535"]
+    flags += ["--max-num-batched-tokens", "65535", "--max-model-len", str(1 << 20)]
+    assert cli.main([*flags, "hi", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "error: the KV cache sized by --kv-cache-mib 1000000000 takes 16,383.8 GiB, more" in err
+    assert "set --kv-cache-mib (kv_cache_mib) to" in err
+    with pytest.raises(ValueError, match="the KV cache sized by --kv-cache-mib 1000000000"):
+        LLM(
+            model=str(tmp_path),
+            load_format="dummy",
+            device="cpu",
+            kv_cache_mib=1e9,
+            max_num_seqs=65535,
+            max_num_batched_tokens=65535,
+            max_model_len=1 << 20,
+        )
+
+
+def test_available_memory_is_read_from_the_machine() -> None:
+    from pagedllm import memory
+
+    available, where = memory.available_bytes("cpu")
+    assert where == "MemAvailable" and 0 < available
+    assert available <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

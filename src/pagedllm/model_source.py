@@ -113,7 +113,9 @@ def load_model(
     if spec.load_format == "dummy":
         from pagedllm.config import ModelConfig
 
-        return dummy_model(ModelConfig.from_hf_dir(_config_dir(spec)), device, dtype)
+        config_dir = _config_dir(spec)
+        config = ModelConfig.from_hf_dir(config_dir)
+        return dummy_model(config, device, dtype, source=str(config_dir / "config.json"))
     if spec.preset:
         raise ValueError(
             f"preset {spec.preset!r} ships a config, not weights: add --load-format dummy"

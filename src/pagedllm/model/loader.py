@@ -109,7 +109,8 @@ def load_model(
     dt = resolve_dtype(dtype, dev)
     check_load_format(model_path, load_format)
     if load_format == "dummy":
-        return dummy_model(ModelConfig.from_hf_dir(model_path), dev, dt, tp=tp)
+        config = ModelConfig.from_hf_dir(model_path)
+        return dummy_model(config, dev, dt, tp=tp, source=str(model_path / "config.json"))
     # A tensor-parallel rank keeps (and copies from the file) only its slices.
     select = None if tp is None else (lambda name, t: shard_weight(name, t, tp))
     if is_gguf(model_path):
@@ -298,12 +299,16 @@ def dummy_model(
     seed: int = 0,
     std: float = 0.02,
     tp: TensorParallel | None = None,
+    source: str = "the config",
 ) -> LlamaModel:
     """Random weights of the config's shape, made directly on the device in the compute
     dtype (no file, no float32 detour): for speed work, where values do not matter.
-    With `tp`, only this rank's slice is made (seeded by seed + rank)."""
+    With `tp`, only this rank's slice is made (seeded by seed + rank). Their bytes are
+    checked against the memory available first (`check_dummy_fits`); `source` names
+    the config in that error."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    check_dummy_fits(config, dev, dt, tp, source)
     c = config if tp is None else shard_config(config, tp.size)
     gen = torch.Generator(device=dev).manual_seed(seed + (tp.rank if tp else 0))
 
@@ -329,3 +334,63 @@ def dummy_model(
     embed = torch.randn(vocab, e, generator=gen, device=dev, dtype=dt) * std
     lm_head = Linear(embed) if c.tie_word_embeddings else mat(vocab, e)
     return LlamaModel(c, embed, layers, ones(e), lm_head, tp=tp)
+
+
+def dummy_weight_bytes(config: ModelConfig, dtype: torch.dtype, device_type: str) -> int:
+    """Peak bytes `dummy_model` makes for `config` (one rank's, when sharded)."""
+    per_layer, rest = _dummy_elements(config, device_type)
+    return (config.num_hidden_layers * per_layer + rest) * dtype.itemsize
+
+
+def _dummy_elements(c: ModelConfig, device_type: str) -> tuple[int, int]:
+    """(elements of one layer, elements of the rest) of `dummy_model`'s weights. The
+    rest: the embeddings, the head (a tied one too on the CPU, which stores it
+    transposed: `Linear`), the final norm, and the largest matrix twice over while it
+    is made (`randn * std`, then its stored layout)."""
+    e, inter, vocab = c.hidden_size, c.intermediate_size, c.vocab_size
+    qkv = (c.q_size + 2 * c.kv_size) * e
+    per_layer = 2 * e + qkv + e * c.q_size + 3 * inter * e
+    head = vocab * e if not c.tie_word_embeddings or device_type == "cpu" else 0
+    largest = max(vocab * e, 2 * inter * e, qkv)
+    return per_layer, vocab * e + head + e + 2 * largest
+
+
+def check_dummy_fits(
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallel | None = None,
+    source: str = "the config",
+) -> None:
+    """ValueError, before anything is allocated, when dummy weights of `config` would
+    take more than `memory.USABLE_FRACTION` of the memory available on `device` (on
+    the CPU, every rank of a tensor-parallel engine makes its slice in this machine's
+    memory). The message says how many layers of this shape would fit."""
+    from pagedllm import memory
+
+    found = memory.available_bytes(device)
+    if found is None:  # no way to tell on this system: the allocation will say
+        return
+    available, where = found
+    ranks = 1 if tp is None else tp.size
+    sharing = ranks if device.type == "cpu" else 1
+    c = config if tp is None else shard_config(config, tp.size)
+    planned = dummy_weight_bytes(c, dtype, device.type) * sharing
+    usable = memory.usable(available)
+    if planned <= usable:
+        return
+    per_layer, rest = (n * dtype.itemsize * sharing for n in _dummy_elements(c, device.type))
+    layers = (usable - rest) // per_layer if usable > rest else 0
+    if layers >= 1:
+        fits = f"at most {layers:,} layers of this shape fit: lower num_hidden_layers"
+    else:
+        fits = "not one layer of this shape fits: lower hidden_size or vocab_size"
+    half = planned // dtype.itemsize * 2  # the same weights in 16 bits
+    smaller = " (or give --dtype bfloat16)" if dtype.itemsize == 4 and half <= usable else ""
+    each = f", {ranks} ranks" if sharing > 1 else ""
+    raise ValueError(
+        f"{source}: dummy weights of {config.num_hidden_layers:,} layers (hidden_size "
+        f"{config.hidden_size:,}, vocab_size {config.vocab_size:,}) in "
+        f"{str(dtype).removeprefix('torch.')}{each} take "
+        f"{memory.over_text(planned, available, where)}; {fits}{smaller}"
+    )

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from pagedllm import memory
 from pagedllm.engine_config import EngineConfig
 from pagedllm.model import load_model
 from pagedllm.model.batch import ForwardBatch
@@ -212,7 +213,8 @@ def plan_kv_cache(
     the pages (`kv_cache_dtype`); None: the model's. `free_bytes`: the free
     memory to plan for, given by a tensor-parallel engine (the least of its
     `ranks` ranks' free memory, so every rank can hold the same pool); None:
-    this device's.
+    this device's. The planned pages are checked against the memory available
+    before anything is allocated (`check_kv_cache_fits`).
     """
     dtype = dtype or model.dtype
     itemsize = dtype.itemsize
@@ -222,7 +224,7 @@ def plan_kv_cache(
         if kv_cache_mib <= 0:
             raise ValueError(f"kv_cache_mib must be positive, got {kv_cache_mib}")
         budget = int(kv_cache_mib * MiB)
-        why = f"--kv-cache-mib {kv_cache_mib:g}"
+        why = f"--kv-cache-mib {kv_cache_mib:.10g}"
     elif model.device.type == "cuda":
         free = free_device_bytes(model.device) if free_bytes is None else free_bytes
         budget = int(free * 0.85) - 2 * 1024 * MiB  # leave room for activations and graphs
@@ -238,7 +240,40 @@ def plan_kv_cache(
             f"the KV cache budget ({budget / MiB:.1f} MiB) holds not one page of {block_size} tokens "
             f"({per_block / MiB:.3f} MiB); raise --kv-cache-mib"
         )
+    check_kv_cache_fits(int(num_blocks) * per_block, model.device, why, free_bytes, ranks)
     return KVCacheSpec(int(num_blocks), block_size, per_token, dtype), why
+
+
+def check_kv_cache_fits(
+    planned: int, device: torch.device, why: str, free_bytes: int | None = None, ranks: int = 1
+) -> None:
+    """ValueError, before any page is allocated, when a KV cache of `planned` bytes (one
+    rank's) would take more than `memory.USABLE_FRACTION` of the memory available:
+    CUDA's free memory (`free_bytes` when the engine measured it over its ranks), or
+    on the CPU MemAvailable, which all `ranks` processes share. `why`: what sized the
+    cache (`plan_kv_cache`'s sentence). The message says what --kv-cache-mib fits."""
+    if device.type == "cuda":
+        available = free_device_bytes(device) if free_bytes is None else free_bytes
+        where = "free GPU memory" if ranks == 1 else f"the least free GPU memory of {ranks} ranks"
+        sharing = 1
+    else:
+        found = memory.available_bytes(device)
+        if found is None:  # no way to tell on this system: the allocation will say
+            return
+        available, where = found
+        sharing = ranks  # the ranks of a CPU engine are processes of this machine
+    if planned * sharing <= memory.usable(available):
+        return
+    fits = memory.usable(available) / sharing / MiB
+    fits = math.floor(fits) if fits >= 10 else math.floor(fits * 10) / 10
+    each = (
+        f"{memory.size_text(planned)} for each of {ranks} ranks, together " if sharing > 1 else ""
+    )
+    raise ValueError(
+        f"the KV cache sized by {why} takes {each}"
+        f"{memory.over_text(planned * sharing, available, where)}; set --kv-cache-mib "
+        f"(kv_cache_mib) to {fits:g} or less"
+    )
 
 
 class ModelRunner:
