@@ -11,11 +11,12 @@ Owns: the options of the generate command and their checks (all made before
 the model is loaded, so a bad value fails in milliseconds), the pairing of
 prompts with token counts, the CLI's sampling default (greedy), printing, and
 the process's exit codes. Does not own: the engine's flags (`engine_args.py`,
-one per `EngineConfig` field, shared with `pagedllm bench`), the subcommands'
-own options (`tokenizer/cli.py`, `bench/cli.py`) or anything the engine does.
+one per `EngineConfig` field, shared with `pagedllm bench`), the sampling
+flags (`sampling_args.py`, shared with `pagedllm trace`), the subcommands' own
+options (`tokenizer/cli.py`, `bench/cli.py`) or anything the engine does.
 
 One error style for every subcommand: `pagedllm[ SUB]: error: MESSAGE` on
-stderr, on one line. Exit codes:
+stderr, on one line (`cli_errors.py`, which the subcommands import). Exit codes:
 
     0    done
     1    the run failed: a model that cannot be loaded, a prompt the model
