@@ -283,6 +283,21 @@ def test_inconsistent_shard_index_is_refused(
         load_safetensors_dir(tmp_path)
 
 
+def test_a_shard_that_is_a_fifo_or_a_device_is_refused_unopened(tmp_path: Path) -> None:
+    """issue 33 item 9: opening a FIFO waits for a writer, so the shard is named, not read."""
+    import os
+
+    _sharded(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors"})
+    (tmp_path / "s2.safetensors").unlink()
+    os.mkfifo(tmp_path / "s2.safetensors")
+    with pytest.raises(ValueError, match="shard 's2.safetensors' is a FIFO .*, not a safetensors"):
+        load_safetensors_dir(tmp_path)
+    with pytest.raises(ValueError, match="s2.safetensors is a FIFO .*, not a safetensors file"):
+        SafetensorsFile(tmp_path / "s2.safetensors")
+    with pytest.raises(ValueError, match="^/dev/zero is a character device, not a safetensors"):
+        SafetensorsFile("/dev/zero")
+
+
 def test_shard_tensor_missing_from_index_is_refused(tmp_path: Path) -> None:
     save_file({"a": torch.ones(2), "extra": torch.ones(1)}, str(tmp_path / "s1.safetensors"))
     index = {"weight_map": {"a": "s1.safetensors"}}

@@ -48,6 +48,8 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
+from pagedllm.resolve import special_file_kind
+
 # A real header is a few hundred KB even for 400B-parameter checkpoints; the
 # bound stops a corrupt length field from making us read or allocate gigabytes.
 # The same limit as the reference reader's MAX_HEADER_SIZE.
@@ -132,6 +134,9 @@ class SafetensorsFile:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self._mmap: mmap.mmap | None = None
+        kind = special_file_kind(self.path)
+        if kind is not None:  # opening a FIFO would wait for a writer
+            raise ValueError(f"{self.path} is {kind}, not a safetensors file")
         try:
             with open(self.path, "rb") as f:
                 file_size = os.fstat(f.fileno()).st_size
@@ -367,6 +372,9 @@ def _read_index(index_path: Path) -> dict[str, str]:
         # Shards live next to the index; a path would let an index reach anywhere on disk.
         if Path(shard).name != shard or shard in (".", ".."):
             raise ValueError(f"{index_path}: shard name {shard!r} is not a plain file name")
+        kind = special_file_kind(index_path.parent / shard)
+        if kind is not None:
+            raise ValueError(f"{index_path}: shard {shard!r} is {kind}, not a safetensors file")
         if not (index_path.parent / shard).is_file():
             raise ValueError(f"{index_path}: shard {shard!r} listed in weight_map does not exist")
     return weight_map
