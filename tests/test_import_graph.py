@@ -20,25 +20,11 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-# Circles known and left to other work. A component found must lie inside one of
-# these (a known circle may shrink or vanish; nothing else may appear). The one
-# through cli.py (bench/cli.py, inspect_model.py, trace.py) is gone: cli_errors.py.
-KNOWN_CYCLES: dict[str, frozenset[str]] = {
-    # TODO: ops/__init__.py imports triton_impl (inside `implementation()`), whose
-    # kernels import `in_kernel_chain` back from ops/__init__ (triton_pdl.py). Not
-    # part of issue 33; remove this entry once that flag lives in a module of its own.
-    "ops": frozenset(
-        {
-            "pagedllm.ops",
-            "pagedllm.ops.triton_attention",
-            "pagedllm.ops.triton_gemv",
-            "pagedllm.ops.triton_impl",
-            "pagedllm.ops.triton_norm",
-            "pagedllm.ops.triton_pdl",
-            "pagedllm.ops.triton_rope",
-        }
-    ),
-}
+# Circles known and left to other work: none. A component found must lie inside one
+# of these (a known circle may shrink or vanish; nothing else may appear). The one
+# through cli.py is gone (cli_errors.py), and so is the one through ops/__init__.py
+# (the kernel-chain switch lives in ops/kernel_chain.py).
+KNOWN_CYCLES: dict[str, frozenset[str]] = {}
 
 
 def module_files(root: Path, package: str) -> dict[str, tuple[Path, bool]]:

@@ -14,16 +14,18 @@ model holds at most the mode it was asked for.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import os
-from collections.abc import Iterator
 from functools import lru_cache
 from types import ModuleType
 
 import torch
 
 from pagedllm.ops import reference
+
+# Programmatic dependent launch's switch lives in a module of its own, so the
+# kernels that read it (triton_pdl.py) need not import this package back.
+from pagedllm.ops.kernel_chain import in_kernel_chain as in_kernel_chain
+from pagedllm.ops.kernel_chain import kernel_chain as kernel_chain
 
 OP_NAMES = (
     "embedding",
@@ -104,27 +106,3 @@ def _interpreted() -> bool:
 def implementation_name(device: torch.device | str, mode: str | None = None) -> str:
     """The name of what `implementation(device, mode)` returns: reference or triton."""
     return "reference" if implementation(device, mode) is reference else "triton"
-
-
-# Programmatic dependent launch (ops/triton_pdl.py) is used only inside a chain the
-# model opens: stream capture failed when such a launch followed cuBLAS's float32
-# GEMMs, so the chain covers batch 1 (all kernels ours) and large bf16 decode steps.
-_KERNEL_CHAIN = contextvars.ContextVar("pagedllm_kernel_chain", default=False)
-
-
-@contextlib.contextmanager
-def kernel_chain(active: bool = True) -> Iterator[None]:
-    """Within (when `active`), our Triton kernels may launch as programmatic
-    dependents of the kernel before them. `LlamaModel.forward` opens it around
-    its layers when one token runs (batch-1 decode: GEMVs, norms, RoPE + KV
-    store and decode attention, all Triton) and in large bf16 decode steps
-    (`LlamaModel.chains_kernels`)."""
-    token = _KERNEL_CHAIN.set(active)
-    try:
-        yield
-    finally:
-        _KERNEL_CHAIN.reset(token)
-
-
-def in_kernel_chain() -> bool:
-    return _KERNEL_CHAIN.get()

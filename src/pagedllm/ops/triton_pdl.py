@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.ops import in_kernel_chain
+from pagedllm.ops.kernel_chain import in_kernel_chain
 
 ENABLED = os.environ.get("PAGEDLLM_PDL", "1").lower() not in ("0", "false", "no")
 
