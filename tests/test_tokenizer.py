@@ -464,6 +464,8 @@ def test_cli_tokenize(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert out.startswith("7 tokens: 19556 905 17 216 33 34 35")
     assert "Ġworld" in out and "' world'" in out
+    assert tokenize_main(["Hello"]) == 0
+    assert capsys.readouterr().out.startswith("1 token: 19556\n")  # not "1 tokens"
 
     assert tokenize_main(["<|eot_id|>hi", "--tokenizer", str(LLAMA3_JSON), "--json"]) == 0
     assert 128009 not in json.loads(capsys.readouterr().out)  # special off by default

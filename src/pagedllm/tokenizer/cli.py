@@ -23,6 +23,7 @@ import sys
 from collections.abc import Sequence
 
 from pagedllm.tokenizer.tokenizer import Tokenizer
+from pagedllm.utils import plural
 
 
 def _add_source_args(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +103,7 @@ def tokenize_main(argv: Sequence[str]) -> int:
     if args.json:
         print(json.dumps(ids))
         return 0
-    print(f"{len(ids)} tokens: {' '.join(map(str, ids))}")
+    print(f"{plural(len(ids), 'token')}: {' '.join(map(str, ids))}")
     width = len(str(max(ids))) if ids else 1
     for token_id in ids:
         special = "  (special)" if token_id in tok.special_token_ids else ""
