@@ -460,3 +460,38 @@ def test_the_client_benchmark_reports_exact_counts(tmp_path):
     assert (record["completed"], record["failed"]) == (20, 0)
     assert record["events"] == record["events_expected"] == 20 * 52
     assert record["events_per_s"] == pytest.approx(20 * 52 / record["duration_s"], rel=1e-3)
+
+
+def test_client_processes_send_every_request_and_merge_exactly():
+    """Two client processes: each request's result comes back to its own place, exact."""
+    max_tokens = [3, 40, 1, 17, 250, 8]
+    work = workloads.Workload("stub", [[7]] * len(max_tokens), max_tokens, "test")
+
+    async def go(client):
+        processes = serve_bench.ClientProcesses(client, 2)
+        try:
+            await processes.start()
+            assert len(set(processes.pids())) == 2
+            return await serve_bench.run_rate(client, work, float("inf"), 4, 0, processes)
+        finally:
+            processes.close()
+
+    with _stub() as url:
+        client = serve_bench.Client(serve_bench.Endpoint.parse(url), "stub", {}, True, 10)
+        results, peak = asyncio.run(go(client))
+    assert peak == 4  # the cap holds across the processes
+    for r, n in zip(results, max_tokens):
+        assert r.ok, r.error
+        assert (r.output_tokens, r.events, len(r.itl)) == (n, n + 2, n - 1)
+    assert min(r.start for r in results) < max(r.end for r in results)
+
+
+def test_bench_serve_with_client_processes(capsys):
+    with _stub() as url:
+        argv = ["serve", "--base-url", url, "--num-requests", "5", "--max-output-len", "30"]
+        assert bench_main([*argv, "--client-processes", "2"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["workload"]["client_processes"] == 2
+    (run,) = record["runs"]
+    assert (run["completed"], run["failed"]) == (5, 0)
+    assert run["output_tokens"] == sum(draw_throughput(5, None, 30).max_tokens)
