@@ -1,5 +1,7 @@
 """A real pagedllm server for tests: uvicorn on a thread, on a free loopback
-port, serving one engine thread (tests/test_server.py, tests/test_bench_serve.py)."""
+port, serving one engine thread (tests/test_server*.py, tests/test_bench_serve.py),
+built as `pagedllm serve` builds it (server/cli.py's make_server: its
+timeouts and its clean shutdown)."""
 
 from __future__ import annotations
 
@@ -8,11 +10,11 @@ import threading
 import time
 
 import openai
-import uvicorn
 
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine_config import EngineConfig
 from pagedllm.server.app import build_app
+from pagedllm.server.cli import make_server
 from pagedllm.server.engine_thread import EngineThread
 
 MODEL = "smollm2-test"
@@ -34,15 +36,20 @@ class Server:
         max_queued: int = 1024,
         app_options: dict | None = None,
         path: str | None = None,
+        server_options: dict | None = None,
+        kv_cache_mib: float = 64,
         **settings,
     ):
         """`model`: a loaded model, or None to load `path`; `app_options`: more keyword
-        arguments of build_app; `settings`: EngineConfig's."""
-        config = EngineConfig(kv_cache_mib=64, admission="optimistic", model=path, **settings)
+        arguments of build_app; `server_options`: of make_server (timeouts);
+        `settings`: EngineConfig's."""
+        config = EngineConfig(
+            kv_cache_mib=kv_cache_mib, admission="optimistic", model=path, **settings
+        )
         self.engine = LLMEngine(config, model, log=lambda s: None)
         self.thread = EngineThread(self.engine)
         self.thread.start()
-        app = build_app(
+        self.app = build_app(
             self.thread,
             MODEL,
             api_key=api_key,
@@ -50,8 +57,9 @@ class Server:
             **(app_options or {}),
         )
         self.port = free_port()
-        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(cfg)
+        self.server = make_server(
+            self.app, port=self.port, log_level="warning", **(server_options or {})
+        )
         self._t = threading.Thread(target=self.server.run, daemon=True)
         self._t.start()
         deadline = time.time() + 30
@@ -65,5 +73,5 @@ class Server:
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self._t.join(10)
+        self._t.join(30)
         self.thread.stop()

@@ -434,12 +434,15 @@ def _wait_healthy(proc, port: int) -> None:
         time.sleep(0.2)
 
 
-def test_past_the_queue_limit_a_503_asks_to_retry(smollm2):
+def test_a_request_larger_than_the_queue_limit_is_a_400(smollm2):
+    """n choices over --max-queued-requests could never run: a 400 naming n, not a
+    503 "retry later" (a burst past the limit: tests/test_server_requests.py)."""
     s = Server(smollm2, max_queued=2)
     try:
         client = s.client()
-        with pytest.raises(openai.InternalServerError, match="at capacity"):
+        with pytest.raises(openai.BadRequestError, match="at most 2") as refused:
             client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=3)
+        assert refused.value.body["param"] == "n"
         assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=2).choices
     finally:
         s.stop()

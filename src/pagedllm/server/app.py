@@ -1,27 +1,33 @@
 """The OpenAI-compatible HTTP API (FastAPI), in front of one `EngineThread`.
 
 Owns: routes, request validation into OpenAI's error shape, response and
-Server-Sent-Event framing, the API key, and the metrics. Does not own: any
-tensor (handlers only tokenize and hand token ids to the engine thread), or the
-step loop (engine_thread.py).
+Server-Sent-Event framing, the API key, the count of requests in flight (what
+--max-queued-requests caps) and their end at shutdown, the body-read deadline,
+and the metrics. Does not own: any tensor (handlers only tokenize and hand
+token ids to the engine thread), or the step loop (engine_thread.py).
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
     POST /tokenize   POST /detokenize   GET /health   GET /version   GET /metrics
 
 Errors are `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
-parameter or a request too long for the context, 401 for a wrong or missing
-API key (on /v1/* only), 404 for an unknown model, 413 for a body over the
-limit, 503 while the engine is not serving. Nothing a client sends is a 500.
+parameter or a request too long for the context (`param` names the field),
+401 for a wrong or missing API key (on /v1/*, /tokenize and /detokenize), 404
+for an unknown model, 408 for a body that does not arrive in time, 413 for a
+body over the limit, 503 while the engine is not serving, at capacity (with
+Retry-After) or shutting down. Nothing a client sends is a 500.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import hmac
 import json
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,6 +41,7 @@ from pagedllm.scheduler import RequestRejected
 from pagedllm.server.engine_thread import EngineDead, EngineThread
 from pagedllm.server.metrics import Metrics
 from pagedllm.server.protocol import (
+    MAX_STOP_STRINGS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -43,32 +50,147 @@ from pagedllm.server.protocol import (
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_MAX_QUEUED = 1024  # requests waiting or running; past it, a 503 (not unbounded memory)
+DEFAULT_BODY_TIMEOUT_S = 30.0  # a request's whole body, from its headers on
+RETRY_AFTER_S = 1  # what a 503 at capacity asks a client to wait
+# Texts longer than this are tokenized on a thread, not on the event loop (where
+# 4 MB of text would stall every stream for a second); shorter ones take ~2 ms or less.
+TOKENIZE_INLINE_CHARS = 8192
+# Routes outside /v1/ that the API key guards too: they tokenize, which costs.
+GUARDED_PATHS = ("/tokenize", "/detokenize")
+# A reply before the body was read whole: the rest of the body cannot be told
+# from a next request, so the connection closes with the reply.
+CLOSE = {"connection": "close"}
+SHUTDOWN_MESSAGE = "the server is shutting down; send the request again (to another server)"
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
+        self.headers = headers
 
 
-def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+def _error_body(status: int, message: str, type_: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
+def _error(
+    status: int,
+    message: str,
+    type_: str,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body = _error_body(status, message, type_, param)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class ServerEnding(Exception):
+    """The shutdown's grace is over: a handler ends its request now (a stream
+    with an error event and `[DONE]`, any other with a 503)."""
+
+
+class InFlight:
+    """The requests handed to the engine and not yet finished, and their end at
+    shutdown.
+
+    The count is the app's own (not the scheduler's): a request counts from
+    the moment its handler passes the --max-queued-requests check, so a burst
+    cannot slip past the cap while its requests wait to reach the stepping
+    thread. Check and count happen with no await between them.
+
+    Shutdown (`drain`, from the server's shutdown): no new requests (503);
+    those in flight get `timeout` seconds to finish; then `end` cancels every
+    handler that waits on the engine (each waits through `wait`), which turns
+    that cancellation into ServerEnding, and a handler busy elsewhere (sending)
+    meets ServerEnding at its next wait.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.stopping = False  # shutdown began: new requests get a 503
+        self.ended = False  # the grace is over: requests in flight end now
+        self._waiting: set[asyncio.Task] = set()
+        self._ending: set[asyncio.Task] = set()  # cancelled by end(), not by anyone else
+
+    async def wait(self, awaitable: Awaitable[Any]) -> Any:
+        """`await awaitable` (engine outputs), or ServerEnding once `end` is called."""
+        if self.ended:
+            close = getattr(awaitable, "close", None)
+            if close is not None:
+                close()  # never awaited: no warning
+            raise ServerEnding
+        task = asyncio.current_task()
+        assert task is not None
+        self._waiting.add(task)
+        try:
+            return await awaitable
+        except asyncio.CancelledError:
+            if task not in self._ending:
+                raise
+            self._ending.discard(task)
+            uncancel = getattr(task, "uncancel", None)  # Python 3.11+
+            if uncancel is not None:
+                uncancel()  # the cancellation is handled here, not owed to the task
+            raise ServerEnding from None
+        finally:
+            self._waiting.discard(task)
+
+    def end(self) -> None:
+        """End every request in flight now (see the class docstring)."""
+        self.ended = True
+        for task in self._waiting:
+            self._ending.add(task)
+            task.cancel()
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests, give those in flight `timeout` seconds, end the rest."""
+        self.stopping = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.count and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.count:
+            self.end()
 
 
 class Guard:
-    """What is refused before a handler runs: a body over the limit (413, from
-    its Content-Length, or while it is read when it has none) and a missing or
-    wrong API key on /v1/* (401, compared in constant time).
+    """What is refused before a handler runs, or while its body is read: a body
+    over the limit (413, from its Content-Length, or while it is read when it
+    has none), a body that has not arrived `body_timeout` seconds after the
+    headers (408: a client that never finishes its body would otherwise hold
+    its connection and handler forever), and a missing or wrong API key on
+    /v1/*, /tokenize and /detokenize (401, compared in constant time; the
+    scheme `Bearer` in any case, RFC 7235).
 
     Pure ASGI, like AccessLog: Starlette's `@app.middleware("http")` would pipe
     every streamed chunk of every reply through an extra task and memory
     stream, which at a few thousand chunks a second is most of the server's CPU.
     """
 
-    def __init__(self, app: Any, max_body_bytes: int, api_key: str | None) -> None:
-        self.app, self.max_body_bytes = app, max_body_bytes
-        self.want = None if api_key is None else f"Bearer {api_key}".encode()
+    def __init__(
+        self,
+        app: Any,
+        max_body_bytes: int,
+        api_key: str | None,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+    ) -> None:
+        self.app, self.max_body_bytes, self.body_timeout = app, max_body_bytes, body_timeout
+        self.key = None if api_key is None else api_key.encode()
+
+    def _authorized(self, header: bytes) -> bool:
+        scheme, _, credentials = header.partition(b" ")
+        assert self.key is not None
+        # compare_digest even for a wrong scheme: the time says nothing about the key.
+        same = hmac.compare_digest(credentials.strip(b" "), self.key)
+        return same and scheme.lower() == b"bearer"
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -78,23 +200,48 @@ class Guard:
         length = headers.get(b"content-length")
         limit = self.max_body_bytes
         if length is not None and (not length.isdigit() or int(length) > limit):
-            reply = _error(413, f"the body is over {limit} bytes", "invalid_request_error")
+            reply = _error(
+                413, f"the body is over {limit} bytes", "invalid_request_error", headers=CLOSE
+            )
             await reply(scope, receive, send)
             return
-        if self.want is not None and scope["path"].startswith("/v1/"):
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.want):
-                reply = _error(401, "a missing or wrong API key", "authentication_error")
+        path = scope["path"]
+        if self.key is not None and (path.startswith("/v1/") or path in GUARDED_PATHS):
+            if not self._authorized(headers.get(b"authorization", b"")):
+                reply = _error(
+                    401,
+                    "a missing or wrong API key: send 'Authorization: Bearer KEY'",
+                    "authentication_error",
+                    headers=CLOSE,
+                )
                 await reply(scope, receive, send)
                 return
         seen = 0
+        body_done = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout
 
         async def limited_receive() -> dict:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done:  # the body is in: what is left is the disconnect, untimed
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+            except asyncio.TimeoutError:
+                raise StarletteHTTPException(
+                    408,
+                    f"the body did not arrive within {self.body_timeout:g} s",
+                    headers=CLOSE,
+                ) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:  # a chunked body has no Content-Length to refuse early
-                    raise StarletteHTTPException(413, f"the body is over {limit} bytes")
+                    raise StarletteHTTPException(
+                        413, f"the body is over {limit} bytes", headers=CLOSE
+                    )
+                body_done = not message.get("more_body", False)
+            else:
+                body_done = True
             return message
 
         await self.app(scope, limited_receive, send)
@@ -106,13 +253,16 @@ class AccessLog:
         127.0.0.1:50412 "POST /v1/chat/completions" 200 in=27 out=64 1.204s cmpl-3f2a...
 
     `in`/`out` are the prompt and completion tokens the handler recorded in
-    `request.state.usage` (so far, for a stream its client closed: then the line
-    ends in "client closed"). Never the prompt's text: that is --log-requests.
-    A pure ASGI middleware, so that a streamed reply is timed to its last byte.
+    `request.state.usage` (so far, for a request that did not finish). A line
+    ends in "client closed" when the client went away, "ended at shutdown"
+    when the server ended the request cleanly at shutdown (an error event and
+    [DONE], or a 503), and "cut at shutdown" when not even that could be sent.
+    Never the prompt's text: that is --log-requests. A pure ASGI middleware,
+    so that a streamed reply is timed to its last byte.
     """
 
-    def __init__(self, app: Any, log: Callable[[str], None]) -> None:
-        self.app, self.log = app, log
+    def __init__(self, app: Any, log: Callable[[str], None], in_flight: InFlight) -> None:
+        self.app, self.log, self.in_flight = app, log, in_flight
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -141,8 +291,12 @@ class AccessLog:
             line += f" {time.perf_counter() - t0:.3f}s"
             if state.get("request_id"):
                 line += f" {state['request_id']}"
-            if not reply["done"]:
-                line += " client closed"
+            # Who ended it, as the handler knew; else a reply that never finished.
+            ended = state.get("ended")
+            if ended is None and not reply["done"]:
+                ended = "cut at shutdown" if self.in_flight.ended else "client closed"
+            if ended is not None:
+                line += f" {ended}"
             self.log(line)
 
 
@@ -154,29 +308,36 @@ def build_app(
     max_queued_requests: int = DEFAULT_MAX_QUEUED,
     access_log: Callable[[str], None] | None = None,
     log_requests: bool = False,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> FastAPI:
     """The app. `access_log`: where AccessLog's lines go (None: no access log);
-    `log_requests`: also log each completion request's body, prompt included."""
+    `log_requests`: also log each completion request's body, prompt included;
+    `body_timeout`: seconds a request's body may take to arrive (then a 408).
+    `app.state.in_flight.drain(seconds)` ends the requests in flight at shutdown."""
     engine = engine_thread.engine
     tokenizer = engine.tokenizer
+    max_model_len = engine.max_model_len
+    # The most tokens one request can ever hold in the KV cache (its prompt and
+    # all its output but the last token): the whole pool.
+    pool_tokens = engine.block_manager.num_blocks * engine.block_manager.block_size
     metrics = Metrics(engine)
+    in_flight = InFlight()
+    # One thread: large texts queue for it rather than many threads each taking
+    # the GIL from the event loop.
+    tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenize")
     app = FastAPI(title="pagedllm", version=__version__)
     app.state.engine_thread = engine_thread
+    app.state.in_flight = in_flight
 
     # ------------------------------------------------------------ errors
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return _error(e.status, e.message, e.type, e.param)
+        return _error(e.status, e.message, e.type, e.param, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        if first.get("type") == "json_invalid":
-            return _error(400, "the body is not valid JSON", "invalid_request_error")
-        msg = first.get("msg", "invalid request")
-        return _error(400, f"{param}: {msg}" if param else msg, "invalid_request_error", param)
+        message, param = _validation_message(e.errors())
+        return _error(400, message, "invalid_request_error", param)
 
     @app.exception_handler(Exception)
     async def _bug(_: Request, e: Exception) -> JSONResponse:
@@ -185,7 +346,7 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return _error(e.status_code, str(e.detail), "invalid_request_error")
+        return _error(e.status_code, str(e.detail), "invalid_request_error", headers=e.headers)
 
     # ------------------------------------------------------------ plain routes
     @app.get("/health")
@@ -206,7 +367,7 @@ def build_app(
             "object": "model",
             "created": int(time.time()),
             "owned_by": "pagedllm",
-            "max_model_len": engine.max_model_len,
+            "max_model_len": max_model_len,
         }
         return {"object": "list", "data": [card]}
 
@@ -219,10 +380,12 @@ def build_app(
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         tok = _need_tokenizer()
         if body.messages is not None:
-            ids = _encode_chat(tok, body.messages)
+            ids = await _chat_ids(tok, body.messages)
         else:
-            ids = tok.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+            text = body.prompt or ""
+            special = body.add_special_tokens
+            ids = await _off_loop(len(text), tok.encode, text, add_special_tokens=special)
+        return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
@@ -235,19 +398,19 @@ def build_app(
                 "invalid_request_error",
                 "tokens",
             )
-        return {"prompt": tok.decode(body.tokens)}
+        return {"prompt": await _off_loop(len(body.tokens), tok.decode, body.tokens)}
 
     # ------------------------------------------------------------ completions
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         _check_model(body.model)
-        prompt_ids = _encode_chat(_need_tokenizer(), body.messages)
+        prompt_ids = await _chat_ids(_need_tokenizer(), body.messages)
         return await _complete(request, body, [prompt_ids], chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         _check_model(body.model)
-        prompts = _completion_prompts(body.prompt)
+        prompts = await _completion_prompts(body.prompt)
         if body.n > 1 and len(prompts) > 1:
             raise APIError(400, "n > 1 needs a single prompt", "invalid_request_error", "n")
         return await _complete(request, body, prompts, chat=False)
@@ -264,93 +427,150 @@ def build_app(
         if name is not None and name != model_name:
             raise APIError(
                 404,
-                f"model {name!r} does not exist; this server serves {model_name!r}",
+                f"model {_clip(repr(name), 80)} does not exist; this server serves {model_name!r}",
                 "invalid_request_error",
                 "model",
             )
 
-    def _completion_prompts(prompt: Any) -> list[list[int]]:
+    async def _off_loop(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)`: inline for a small input, else on the tokenizer's thread."""
+        if size <= TOKENIZE_INLINE_CHARS:
+            return fn(*args, **kwargs)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(tokenize_pool, functools.partial(fn, *args, **kwargs))
+
+    async def _chat_ids(tok: Any, messages: list[Any]) -> list[int]:
+        size = sum(len(m.text()) for m in messages)
+        return await _off_loop(size, _encode_chat, tok, messages)
+
+    async def _completion_prompts(prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [_need_tokenizer().encode(prompt, add_special_tokens=True)]
-        if not prompt:
+            prompt = [prompt]
+        elif not prompt:
             raise APIError(400, "prompt is empty", "invalid_request_error", "prompt")
         if all(isinstance(p, str) for p in prompt):
             tok = _need_tokenizer()
-            return [tok.encode(p, add_special_tokens=True) for p in prompt]
+
+            def encode_all() -> list[list[int]]:
+                return [tok.encode(p, add_special_tokens=True) for p in prompt]
+
+            return await _off_loop(sum(map(len, prompt)), encode_all)
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
         return [list(p) for p in prompt]
 
+    def _default_max_tokens(prompt_len: int) -> int:
+        """Without max_tokens (chat): the room left in the context, as vLLM gives,
+        but no more than the KV cache could ever hold with the prompt (a request
+        larger than the pool is refused, and the default should always answer)."""
+        room = max_model_len - prompt_len
+        fits = pool_tokens - prompt_len + 1  # the last token is never written
+        return max(min(room, fits), 1)
+
     async def _complete(request: Request, body: Any, prompts: list[list[int]], chat: bool) -> Any:
         if not engine_thread.alive:
             raise APIError(503, "the engine is not serving", "server_error")
-        scheduler = engine.scheduler
-        queued = scheduler.num_waiting + scheduler.num_running
-        if queued + len(prompts) * body.n > max_queued_requests:
-            raise APIError(
-                503,
-                f"the server is at capacity ({queued} requests waiting or running, "
-                f"at most {max_queued_requests}); retry later",
-                "server_error",
-            )
+        if in_flight.stopping:
+            raise APIError(503, SHUTDOWN_MESSAGE, "server_error")
         logprobs = body.wanted_logprobs()
         jobs = []  # (choice index, prompt ids, params)
         for p_index, ids in enumerate(prompts):
             if not ids:
                 raise APIError(400, "a prompt is empty", "invalid_request_error", "prompt")
-            room = engine.max_model_len - len(ids)
-            max_tokens = body.wanted_max_tokens() or max(room, 1)
+            max_tokens = body.wanted_max_tokens() or _default_max_tokens(len(ids))
             for i in range(body.n):
                 try:
                     params = body.sampling_params(max_tokens, logprobs, i)
                 except ValueError as e:
-                    raise APIError(400, str(e), "invalid_request_error") from None
+                    param = _first_field(str(e), body)
+                    raise APIError(400, str(e), "invalid_request_error", param) from None
                 jobs.append((p_index * body.n + i, ids, params))
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        created = int(time.time())
-        request.state.request_id = rid
-        # [prompt tokens, completion tokens so far], for the access log
-        usage = request.state.usage = [sum(len(ids) for ids in prompts), 0]
-        if log_requests and access_log is not None:
-            fields = body.model_dump_json(exclude_none=True, exclude_defaults=True)
-            access_log(f"{rid} {request.url.path} {_clip(fields)}")
-        streams = [_choice_stream(index, ids, params) for index, ids, params in jobs]
-        # Start each request now, so a prompt too long for the context is a 400
-        # before any streaming starts.
-        firsts = await _start_all(streams)
+        if len(jobs) > max_queued_requests:
+            raise APIError(
+                400,
+                f"this request makes {len(jobs)} requests (n = {body.n} for each of "
+                f"{len(prompts)} prompts) and the server takes at most {max_queued_requests} "
+                f"at once; send fewer",
+                "invalid_request_error",
+                "n" if body.n > 1 else "prompt",
+            )
+        # The check and the count, with no await between: a burst cannot slip past.
+        if in_flight.count + len(jobs) > max_queued_requests:
+            raise APIError(
+                503,
+                f"the server is at capacity ({in_flight.count} requests waiting or running, "
+                f"at most {max_queued_requests}); retry later",
+                "server_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        in_flight.count += len(jobs)
+        released = [False] * len(jobs)
+
+        def release(k: int) -> None:  # job k's stream ended (or never started)
+            if not released[k]:
+                released[k] = True
+                in_flight.count -= 1
+
+        try:
+            rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+            created = int(time.time())
+            request.state.request_id = rid
+            # [prompt tokens, completion tokens so far], for the access log
+            usage = request.state.usage = [sum(len(ids) for ids in prompts), 0]
+            if log_requests and access_log is not None:
+                fields = body.model_dump_json(exclude_none=True, exclude_defaults=True)
+                access_log(f"{rid} {request.url.path} {_clip(fields)}")
+            streams = [
+                _choice_stream(ids, params, functools.partial(release, k))
+                for k, (_, ids, params) in enumerate(jobs)
+            ]
+            # Start each request now, so a prompt too long for the context is a 400
+            # before any streaming starts.
+            firsts = await _start_all(request, streams, jobs, body, chat)
+        except BaseException:
+            for k in range(len(jobs)):
+                release(k)
+            raise
         if body.stream:
-            sse = _sse(body, rid, created, jobs, streams, firsts, chat, usage)
+            sse = _sse(request, body, rid, created, jobs, streams, firsts, chat, usage)
             return StreamingResponse(sse, media_type="text/event-stream")
         return await _collect(request, body, rid, created, jobs, streams, firsts, chat, usage)
 
-    async def _choice_stream(index: int, ids: list[int], params: Any) -> AsyncIterator[StepOutput]:
+    async def _choice_stream(
+        ids: list[int], params: Any, release: Callable[[], None]
+    ) -> AsyncIterator[StepOutput]:
         t0 = time.perf_counter()
         last = None
-        async for out in engine_thread.generate(ids, params):
-            now = time.perf_counter()
-            metrics.on_output(out, t0, last, now)
-            last = now
-            yield out
+        try:
+            async for out in engine_thread.generate(ids, params):
+                now = time.perf_counter()
+                metrics.on_output(out, t0, last, now)
+                last = now
+                yield out
+        finally:
+            release()
 
-    async def _start_all(streams: list[AsyncIterator[StepOutput]]) -> list[StepOutput]:
+    async def _start_all(request, streams, jobs, body, chat: bool) -> list[StepOutput]:
         firsts = []
         try:
             for s in streams:
-                firsts.append(await anext(s))
+                firsts.append(await in_flight.wait(anext(s)))
         except RequestRejected as e:
             await _close(streams)
-            raise APIError(400, str(e), "invalid_request_error") from None
+            prompt_len = len(jobs[len(firsts)][1])
+            message, param = _rejection(str(e), body, chat, prompt_len, max_model_len, pool_tokens)
+            raise APIError(400, message, "invalid_request_error", param) from None
         except EngineDead as e:
             await _close(streams)
             raise APIError(503, str(e), "server_error") from None
+        except ServerEnding:
+            await _close(streams)
+            request.state.ended = "ended at shutdown"
+            raise APIError(503, SHUTDOWN_MESSAGE, "server_error") from None
         except BaseException:
             await _close(streams)
             raise
         return firsts
-
-    async def _close(streams: list[AsyncIterator[StepOutput]]) -> None:
-        for s in streams:
-            await s.aclose()
 
     async def _collect(request, body, rid, created, jobs, streams, firsts, chat, usage) -> Any:
         async def finish(stream, first) -> StepOutput:
@@ -365,15 +585,21 @@ def build_app(
         tasks = [asyncio.ensure_future(finish(s, f)) for s, f in zip(streams, firsts)]
         try:
             while not all(t.done() for t in tasks):
-                await asyncio.wait(tasks, timeout=0.5)
+                await in_flight.wait(asyncio.wait(tasks, timeout=0.5))
                 if await request.is_disconnected():
                     break
             if not all(t.done() for t in tasks):
+                request.state.ended = "client closed"
                 raise APIError(499, "the client closed the request", "invalid_request_error")
             finals = [t.result() for t in tasks]
+        except ServerEnding:
+            request.state.ended = "ended at shutdown"
+            raise APIError(503, SHUTDOWN_MESSAGE, "server_error") from None
         finally:
-            for t in tasks:
-                t.cancel()
+            # Each task runs its cancellation through its stream (the request's
+            # abort) before the streams are closed: closing a stream that a task
+            # is still running raises.
+            await _cancel(tasks)
             await _close(streams)
         choices = []
         prompt_tokens = completion_tokens = 0
@@ -420,7 +646,9 @@ def build_app(
             },
         }
 
-    async def _sse(body, rid, created, jobs, streams, firsts, chat, usage) -> AsyncIterator[str]:
+    async def _sse(
+        request, body, rid, created, jobs, streams, firsts, chat, usage
+    ) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
@@ -453,11 +681,12 @@ def build_app(
             return {"index": index, "text": out.new_text, "logprobs": lp, "finish_reason": finish}
 
         completion_tokens = 0
+        indices = [j[0] for j in jobs]
         try:
             if chat:  # OpenAI's first chunk of each choice: the role, no content
-                for index, _, _ in jobs:
+                for index in indices:
                     yield role_chunk(index)
-            async for index, out in _interleave([j[0] for j in jobs], streams, firsts):
+            async for index, out in _interleave(indices, streams, firsts, in_flight.wait):
                 completion_tokens += len(out.new_token_ids)
                 usage[1] = completion_tokens
                 if out.new_text or out.finished:
@@ -472,6 +701,13 @@ def build_app(
                     "total_tokens": prompt_tokens + completion_tokens,
                 }
                 yield chunk([], counts)
+            yield "data: [DONE]\n\n"
+        except ServerEnding:
+            # The stream ends as a stream should: an error event (the openai
+            # client raises it), then [DONE].
+            request.state.ended = "ended at shutdown"
+            error = _error_body(503, SHUTDOWN_MESSAGE, "server_error")
+            yield f"data: {json.dumps(error)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             await _close(streams)
@@ -517,23 +753,29 @@ def build_app(
             "text_offset": offsets,
         }
 
-    app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key)
+    app.add_middleware(
+        Guard, max_body_bytes=max_body_bytes, api_key=api_key, body_timeout=body_timeout
+    )
     if access_log is not None:  # added last: the outermost layer, so it sees every reply
-        app.add_middleware(AccessLog, log=access_log)
+        app.add_middleware(AccessLog, log=access_log, in_flight=in_flight)
     return app
 
 
 async def _interleave(
-    indices: list[int], streams: list[AsyncIterator[StepOutput]], firsts: list[StepOutput]
+    indices: list[int],
+    streams: list[AsyncIterator[StepOutput]],
+    firsts: list[StepOutput],
+    wait: Callable[[Awaitable[Any]], Awaitable[Any]],
 ) -> AsyncIterator[tuple[int, StepOutput]]:
     """(choice index, output) of every stream, in the order they come, each stream
-    to its final output. One stream (n = 1, the usual case) is read directly:
-    no task and no queue between it and the client."""
+    to its final output; every wait for one goes through `wait` (InFlight.wait).
+    One stream (n = 1, the usual case) is read directly: no task and no queue
+    between it and the client."""
     if len(streams) == 1:
         out = firsts[0]
         yield indices[0], out
         while not out.finished:
-            out = await anext(streams[0])
+            out = await wait(anext(streams[0]))
             yield indices[0], out
         return
     merged: asyncio.Queue[tuple[int, StepOutput | None]] = asyncio.Queue()
@@ -552,14 +794,29 @@ async def _interleave(
     try:
         open_streams = len(tasks)
         while open_streams:
-            index, out = await merged.get()
+            index, out = await wait(merged.get())
             if out is None:
                 open_streams -= 1
             else:
                 yield index, out
     finally:
-        for t in tasks:
-            t.cancel()
+        await _cancel(tasks)
+
+
+async def _cancel(tasks: list[asyncio.Future]) -> None:
+    """Cancel `tasks` and wait until each has run its cancellation through."""
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.wait(tasks)
+
+
+async def _close(streams: list[AsyncIterator[StepOutput]]) -> None:
+    for s in streams:
+        # A stream still running in a task (cancelled, not yet ended) ends there,
+        # aborting its request; closing it here would raise.
+        if not getattr(s, "ag_running", False):
+            await s.aclose()  # type: ignore[attr-defined]
 
 
 def _clip(text: str, limit: int = 4096) -> str:
@@ -584,3 +841,94 @@ def _messages(messages: list[Any]) -> list[dict[str, str]]:
 def _finish(out: StepOutput) -> str:
     reason = out.request.finish_reason
     return str(reason) if reason is not None else "stop"
+
+
+# ------------------------------------------------------------ error messages
+# Union fields (a prompt is a text, texts or token ids): what each accepts, for
+# an input that is none of them. pydantic reports one error per branch, under
+# loc parts that name the branch ("str", "list[int]"), not the field.
+_UNION_FIELDS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": f"a string or a list of at most {MAX_STOP_STRINGS} strings",
+    "content": "a string or a list of text parts ({'type': 'text', 'text': ...})",
+}
+_FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+
+
+def _is_field(part: Any) -> bool:
+    """A loc part that names a field or an index (else it names a union branch:
+    "constrained-str", "list[TextPart]", "function-after[...]")."""
+    if isinstance(part, int):
+        return True
+    return bool(_FIELD_NAME.fullmatch(part)) and part not in _TYPE_NAMES
+
+
+def _is_shape_error(error: dict) -> bool:
+    """The input is not of this kind at all (a branch of a union that does not apply)."""
+    kind = error.get("type", "")
+    return kind.endswith("_type") or kind.endswith("_parsing")
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """pydantic's errors as one message and the `param` it names. Of a union
+    field's errors, the one from the branch the input is shaped like (17 stop
+    strings: the list's limit, not "should be a valid string")."""
+    if not errors:
+        return "invalid request", None
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return "the body is not valid JSON", None
+    specific = [e for e in errors if not _is_shape_error(e)]
+    error = specific[0] if specific else errors[0]
+    loc = list(error.get("loc", ()))
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    if not loc:  # the body as a whole
+        if error.get("type") == "missing":
+            return "the request has no body: send a JSON object", None
+        return "the body must be a JSON object (content-type: application/json)", None
+    where = [p for p in loc if _is_field(p)]
+    branch = next((i for i, p in enumerate(loc) if not _is_field(p)), None)
+    if not specific and branch is not None:  # no branch fits: say what the field takes
+        field = [p for p in loc[:branch] if _is_field(p)]
+        param = ".".join(map(str, field))
+        name = next((p for p in reversed(field) if isinstance(p, str)), "")
+        if name in _UNION_FIELDS:
+            return f"{param}: must be {_UNION_FIELDS[name]}", param
+    param = ".".join(map(str, where))
+    message = error.get("msg", "invalid value").removeprefix("Value error, ")
+    if error.get("type") == "string_unicode":  # what pydantic says of a lone surrogate
+        message = "not valid Unicode text (it has a lone surrogate)"
+    if error.get("type") == "literal_error":
+        message += f", got {_clip(repr(error.get('input')), 40)}"
+    return (f"{param}: {message}" if param else message), (param or None)
+
+
+_REQUEST_PREFIX = re.compile(r"^request \d+: ")
+
+
+def _rejection(
+    message: str, body: Any, chat: bool, prompt_len: int, max_model_len: int, pool_tokens: int
+) -> tuple[str, str | None]:
+    """The engine's refusal of a request, as the client's error: without the
+    engine's request counter, naming the field to change."""
+    message = _REQUEST_PREFIX.sub("", message)
+    prompt = "messages" if chat else "prompt"
+    max_tokens = "max_tokens"
+    if chat and getattr(body, "max_completion_tokens", None) is not None:
+        max_tokens = "max_completion_tokens"
+    if "exceeds max_model_len" in message:
+        return message, prompt if prompt_len >= max_model_len else max_tokens
+    if "KV pages" in message:
+        return message, prompt if prompt_len > pool_tokens else max_tokens
+    if message.startswith(("the prompt", "prompt token ids")):
+        return message, prompt
+    if message.startswith("stop strings"):
+        return message, "stop"
+    return message, _first_field(message, body)
+
+
+def _first_field(message: str, body: Any) -> str | None:
+    """The field a SamplingParams message starts with ("top_k must be ..."), if the body has it."""
+    word = message.split(" ", 1)[0]
+    return word if word in type(body).model_fields else None

@@ -10,20 +10,46 @@ with --log-requests, --no-access-log for none.
 
 Engine flags are those of `pagedllm` (engine_args.py), with optimistic
 admission by default (a server's requests come and go; reserving every page a
-request might write would leave most of the pool idle). Ctrl-C or SIGTERM:
-stop accepting, give in-flight requests `--shutdown-timeout` seconds, abort
-the rest, exit 0.
+request might write would leave most of the pool idle). The port is bound
+before the model loads: a bad --host or --port (exit 2) or a busy port (exit
+1) is one line at once, not an error after the load.
+
+Slow clients: a connection must send a request's headers within
+--header-timeout seconds (of connecting, or of starting its next request) and
+its body within --body-timeout seconds of the headers (else a 408); an idle
+keep-alive connection is closed after --keep-alive-timeout seconds.
+
+Ctrl-C or SIGTERM: stop accepting, give in-flight requests
+`--shutdown-timeout` seconds, then end each one cleanly (a stream gets an
+error event and `data: [DONE]`, any other request a 503), exit 0. A second
+Ctrl-C exits at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import errno
+import ipaddress
+import re
 import signal
+import socket
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
-from pagedllm.engine_args import add_engine_arguments, engine_config_from_args, positive_int
+from pagedllm.cli_errors import EXIT_FAILED, EXIT_USAGE, error
+from pagedllm.engine_args import (
+    add_engine_arguments,
+    checked,
+    engine_config_from_args,
+    number,
+    positive_float,
+    positive_int,
+    whole_number,
+)
 from pagedllm.model_source import (
     ModelSpec,
     add_model_source_arguments,
@@ -34,14 +60,46 @@ from pagedllm.model_source import (
 
 PROG = "pagedllm serve"
 GIL_SWITCH_INTERVAL_S = 0.0005
+DEFAULT_KEEP_ALIVE_S = 5.0  # uvicorn's and vLLM's
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0  # app.DEFAULT_BODY_TIMEOUT_S (app.py imports fastapi)
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+# After --shutdown-timeout the app ends its requests itself; uvicorn cuts what
+# is still open this much later (a client that does not read its reply).
+SHUTDOWN_GRACE_S = 3.0
+
+port_number = checked(whole_number, lambda v: 1 <= v <= 65535, "a port number from 1 to 65535")
+seconds = checked(number, lambda v: v >= 0, "a number of seconds >= 0")
+
+
+def host_address(text: str) -> str:
+    """--host: an IPv4 or IPv6 address, or a host name (resolved when the port is bound)."""
+    rule = f"must be an IPv4 or IPv6 address or a host name, got {text!r}"
+    if not text.strip():
+        raise argparse.ArgumentTypeError(rule)
+    try:
+        if ":" in text:
+            ipaddress.IPv6Address(text)
+        elif re.fullmatch(r"[0-9.]+", text):  # looks like IPv4: must be one (not 256.1.1.1)
+            ipaddress.IPv4Address(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(rule) from None
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    g.add_argument("--port", type=positive_int, default=8000, help="port (default 8000)")
-    g.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    g.add_argument(
+        "--host",
+        type=host_address,
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1)",
+    )
+    g.add_argument("--port", type=port_number, default=8000, help="port (default 8000)")
+    g.add_argument(
+        "--api-key", help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize"
+    )
     g.add_argument(
         "--served-model-name", help="the model's name in the API (default: its file name)"
     )
@@ -59,9 +117,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--shutdown-timeout",
-        type=positive_int,
-        default=10,
-        help="seconds in-flight requests get to finish on Ctrl-C/SIGTERM (default 10)",
+        type=seconds,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        metavar="S",
+        help="seconds in-flight requests get to finish on Ctrl-C/SIGTERM; then each ends "
+        "with an error (default 10)",
+    )
+    g.add_argument(
+        "--keep-alive-timeout",
+        type=positive_float,
+        default=DEFAULT_KEEP_ALIVE_S,
+        metavar="S",
+        help="seconds an idle keep-alive connection stays open (default 5)",
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=positive_float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        metavar="S",
+        help="seconds a connection gets to send a request's headers; then it is closed "
+        "(default 10)",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=positive_float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        metavar="S",
+        help="seconds a request's body may take to arrive after its headers; then a 408 "
+        "(default 30)",
     )
     g.add_argument(
         "--access-log",
@@ -84,17 +167,23 @@ def serve_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     config = engine_config_from_args(args, parser)
     spec = model_spec_from_args(parser, args)
+    # The port first: a busy port or a bad address is an answer at once, not
+    # after the model has loaded. Nothing listens on it until the server starts.
     try:
-        import uvicorn
+        sock = listen_socket(args.host, args.port)
+    except OSError as e:
+        message, code = _listen_error(e, args.host, args.port)
+        if code == EXIT_USAGE:
+            parser.error(message)
+        return error(PROG, message, code)
+    try:
+        import uvicorn  # noqa: F401
 
         from pagedllm.server.app import build_app
         from pagedllm.server.engine_thread import EngineThread
     except ImportError as e:
-        print(
-            f"{PROG}: error: {e}; install the server extra: pip install 'pagedllm[server]'",
-            file=sys.stderr,
-        )
-        return 1
+        sock.close()
+        return error(PROG, f"{e}; install the server extra: pip install 'pagedllm[server]'")
     from pagedllm.engine.llm_engine import LLMEngine
 
     def log(message: str) -> None:
@@ -109,8 +198,8 @@ def serve_main(argv: list[str]) -> int:
             config.replace(**engine_model(spec)), None, load_tokenizer(spec, log), log=log
         )
     except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
+        sock.close()
+        return error(PROG, e)
     name = args.served_model_name or _model_name(engine, spec)
     # The stepping thread waits on the GPU with the GIL released, then must win
     # it back from the event loop; at Python's default 5 ms interval that wait
@@ -127,35 +216,97 @@ def serve_main(argv: list[str]) -> int:
         max_queued_requests=args.max_queued_requests,
         access_log=_access_logger() if args.access_log else None,
         log_requests=args.log_requests,
+        body_timeout=args.body_timeout,
     )
-    log(f"serving {name!r} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)")
-    config = uvicorn.Config(
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    log(f"serving {name!r} on http://{host}:{args.port}/v1 (Ctrl-C to stop)")
+    server = make_server(
         app,
-        host=args.host,
-        port=args.port,
-        log_level="info",
-        access_log=False,  # ours (AccessLog) has the tokens and the time
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        header_timeout=args.header_timeout,
+        shutdown_timeout=args.shutdown_timeout,
     )
-    server = _graceful_server(config)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         thread.stop()  # aborts what is left; pages go back
         engine.close()  # tensor-parallel workers, if any
     return 0
 
 
-def _graceful_server(config):
-    """uvicorn's Server, except that Ctrl-C and SIGTERM only ask it to shut down
-    gracefully: uvicorn itself re-raises the signal once it has stopped, which
-    would make the exit status -15 (or a traceback) instead of 0."""
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), as uvicorn binds one (SO_REUSEADDR);
+    it listens once the server starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _listen_error(e: OSError, host: str, port: int) -> tuple[str, int]:
+    """Why (host, port) cannot be bound, in one line, and the exit code."""
+    if isinstance(e, socket.gaierror):
+        return f"argument --host: cannot resolve {host!r} ({e.strerror})", EXIT_USAGE
+    if e.errno == errno.EADDRNOTAVAIL:
+        return f"argument --host: {host} is not an address of this machine", EXIT_USAGE
+    if e.errno == errno.EADDRINUSE:
+        return (
+            f"port {port} on {host} is already in use (another server?); "
+            f"stop it or pick another --port",
+            EXIT_FAILED,
+        )
+    if e.errno == errno.EACCES:
+        return f"no permission to listen on {host}:{port} (ports below 1024 need it)", EXIT_FAILED
+    return f"cannot listen on {host}:{port}: {e.strerror or e}", EXIT_FAILED
+
+
+def make_server(
+    app: Any,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_S,
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    log_level: str = "info",
+):
+    """uvicorn's Server for `app` (build_app's), with the timeouts and the clean
+    shutdown (`app.state.in_flight.drain`). `host`/`port` are used only when
+    `run()` gets no socket."""
     import uvicorn
 
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,  # ours (AccessLog) has the tokens and the time
+        http=_header_timeout_protocol(header_timeout),
+        timeout_keep_alive=keep_alive_timeout,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_GRACE_S,  # type: ignore[arg-type]
+    )
+    in_flight = app.state.in_flight
+
     class Server(uvicorn.Server):
+        """Ctrl-C and SIGTERM only ask it to shut down gracefully (uvicorn itself
+        re-raises the signal once it has stopped, which would make the exit
+        status -15 or a traceback instead of 0); a second Ctrl-C forces the exit.
+        Its shutdown also drains the app: requests in flight get
+        `shutdown_timeout` seconds, then the app ends each one cleanly."""
+
         @contextlib.contextmanager
         def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield  # signals reach the main thread only (a test's server on a thread)
+                return
+
             def stop(signum, frame):
+                if self.should_exit and signum == signal.SIGINT:
+                    self.force_exit = True  # a second Ctrl-C: exit now, as uvicorn does
                 self.should_exit = True
 
             previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -165,7 +316,61 @@ def _graceful_server(config):
                 for s, handler in previous.items():
                     signal.signal(s, handler)
 
+        async def shutdown(self, sockets=None) -> None:
+            drain = asyncio.ensure_future(in_flight.drain(shutdown_timeout))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                drain.cancel()
+
     return Server(config)
+
+
+def _header_timeout_protocol(timeout: float) -> type:
+    """uvicorn's HTTP/1.1 protocol (h11 or httptools, whichever it picks), closing
+    a connection that does not finish a request's line and headers within
+    `timeout` seconds of connecting, or of the first byte of its next request.
+    uvicorn has no such timeout: a client that never finishes its headers (or
+    never sends any) would hold its connection forever. Idle time between
+    requests is uvicorn's own keep-alive timeout."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class HeaderTimeoutProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        _head_timer: asyncio.TimerHandle | None = None
+        _head_cycle: Any = None  # the request cycle when the timer started
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._start_head_timer()
+
+        def data_received(self, data: bytes) -> None:
+            between_requests = self.cycle is None or self.cycle.response_complete
+            # The first bytes of a next request start its timer (a trickle does not restart it).
+            if between_requests and (
+                self._head_timer is None or self._head_cycle is not self.cycle
+            ):
+                self._start_head_timer()
+            super().data_received(data)
+
+        def connection_lost(self, exc) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            super().connection_lost(exc)
+
+        def _start_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_cycle = self.cycle
+            self._head_timer = self.loop.call_later(timeout, self._head_timed_out)
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            # A new cycle means the headers came: nothing to do.
+            if self.cycle is self._head_cycle and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
 
 
 def _model_name(engine, spec: ModelSpec) -> str:

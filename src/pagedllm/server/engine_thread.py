@@ -99,7 +99,13 @@ class EngineThread:
         new = _NewRequest(prompt_token_ids, params, loop, asyncio.Queue(), loop.create_future())
         self._new.put(new)
         self._work.set()
-        req = await self._added(new)
+        try:
+            req = await self._added(new)
+        except BaseException:
+            # Cancelled (the client went away, the server is shutting down) before
+            # the stepping thread added it: abort it once it is added.
+            new.added.add_done_callback(self._abort_added)
+            raise
         finished = False
         try:
             while not finished:
@@ -119,6 +125,12 @@ class EngineThread:
             if not new.added.done() and not self._thread.is_alive():
                 raise EngineDead(self.error or "the engine thread is not running")
         return new.added.result()
+
+    def _abort_added(self, added: asyncio.Future) -> None:
+        if added.cancelled() or added.exception() is not None:
+            return  # refused: nothing to abort
+        self._aborts.put(added.result().request_id)
+        self._work.set()
 
     # ------------------------------------------------------------ the thread
     def _run(self) -> None:

@@ -3,14 +3,17 @@
 Owns: field names, types and ranges of what clients send, and the translation
 of a body into `SamplingParams`. Unknown fields are ignored, as OpenAI does;
 a wrong type or an out-of-range value becomes a 400 naming the field
-(app.py turns pydantic's errors into OpenAI's error shape).
+(app.py turns pydantic's errors into OpenAI's error shape). Every text a
+tokenizer will read is `Text`: valid Unicode, so a lone surrogate (JSON's
+"\\ud800" escape decodes to one, and UTF-8 cannot encode it) is a 400 naming
+the field, not a tokenizer's UnicodeEncodeError.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -20,18 +23,38 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 
 
+def _unicode(text: str) -> str:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            code = ord(text[e.start])
+            raise ValueError(
+                f"has a lone surrogate (U+{code:04X}) at character {e.start}: "
+                f"not valid Unicode text"
+            ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+StopText = Annotated[str, StringConstraints(max_length=MAX_STOP_LENGTH), AfterValidator(_unicode)]
+StopItem = Annotated[
+    str, StringConstraints(min_length=1, max_length=MAX_STOP_LENGTH), AfterValidator(_unicode)
+]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
 class TextPart(_Body):
     type: Literal["text"] = "text"
-    text: str
+    text: Text
 
 
 class Message(_Body):
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -45,13 +68,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-Stop = (
-    Annotated[str, Field(max_length=MAX_STOP_LENGTH)]
-    | Annotated[
-        list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]],
-        Field(max_length=MAX_STOP_STRINGS),
-    ]
-)
+Stop = StopText | Annotated[list[StopItem], Field(max_length=MAX_STOP_STRINGS)]
 
 
 class _Sampling(_Body):
@@ -110,7 +127,7 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+Prompt = Text | list[Text] | list[int] | list[list[int]]
 
 
 class CompletionRequest(_Sampling):
@@ -127,7 +144,7 @@ class CompletionRequest(_Sampling):
 
 class TokenizeRequest(_Body):
     model: str | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[Message] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
 

@@ -1,0 +1,213 @@
+"""The server's start and end (issue 33, items 3 and 5): a shutdown ends the
+requests in flight cleanly (a stream with an error event and [DONE], any other
+request with a 503) and exits 0; a client that leaves a non-streamed request
+aborts it without a traceback; a bad or busy address is refused in one line
+before the model loads.
+
+In-process servers (server_helpers) on SmolLM2, and `python -m pagedllm serve`
+itself on a tiny random model directory (tiny_models).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from server_helpers import MODEL, Server, free_port  # noqa: E402
+
+JSON = {"content-type": "application/json"}
+SHUTDOWN = "shutting down"
+
+
+def wait_for(condition, what: str, timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, what
+        time.sleep(0.02)
+
+
+def open_stream(
+    port: int, body: dict
+) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), JSON)
+    r = conn.getresponse()
+    assert r.status == 200
+    return conn, r
+
+
+def events(r: http.client.HTTPResponse) -> list[str]:
+    """The data of every event left in a stream, to its end."""
+    return [line[6:].strip().decode() for line in r if line.startswith(b"data: ")]
+
+
+def assert_ended_cleanly(stream_events: list[str], refused: pytest.ExceptionInfo) -> None:
+    assert stream_events[-1] == "[DONE]"
+    error = json.loads(stream_events[-2])["error"]
+    assert error["code"] == 503 and SHUTDOWN in error["message"]
+    assert refused.value.status_code == 503
+    assert refused.value.body["type"] == "server_error"
+    assert SHUTDOWN in refused.value.body["message"]
+
+
+# ------------------------------------------------------------ item 3
+def test_shutdown_ends_requests_in_flight_with_an_error_event_and_a_503(smollm2):
+    lines: list[str] = []
+    s = Server(
+        smollm2,
+        app_options={"access_log": lines.append},
+        server_options={"shutdown_timeout": 0.3},
+    )
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        long = {"model": MODEL, "prompt": "Tell a long story.", "max_tokens": 1000}
+        conn, stream = open_stream(s.port, {**long, "ignore_eos": True})
+        plain = pool.submit(s.client().completions.create, **long, extra_body={"ignore_eos": True})
+        wait_for(lambda: s.engine.scheduler.num_running == 2, "both requests run")
+        t0 = time.time()
+        s.server.should_exit = True  # what SIGTERM does
+        rest = events(stream)
+        with pytest.raises(openai.InternalServerError) as refused:
+            plain.result(timeout=30)
+        assert_ended_cleanly(rest, refused)
+        s._t.join(10)
+        assert not s._t.is_alive() and time.time() - t0 < 5
+        conn.close()
+    finally:
+        pool.shutdown()
+        s.stop()
+    posts = [line for line in lines if '"POST /v1/completions"' in line]
+    assert len(posts) == 2 and all(line.endswith(" ended at shutdown") for line in posts), posts
+    assert not any("client closed" in line for line in lines)
+
+
+def test_a_client_leaving_a_non_streamed_request_aborts_it_without_a_traceback(smollm2):
+    lines: list[str] = []
+    s = Server(smollm2, app_options={"access_log": lines.append})
+    errors: list[logging.LogRecord] = []
+    catch = logging.Handler(logging.ERROR)
+    catch.emit = errors.append  # type: ignore[method-assign]
+    logging.getLogger("uvicorn.error").addHandler(catch)
+    try:
+        body = {"prompt": "Tell a long story.", "max_tokens": 500, "ignore_eos": True}
+        for _ in range(2):
+            conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+            conn.request("POST", "/v1/completions", json.dumps(body), JSON)
+            wait_for(lambda: s.engine.scheduler.num_running == 1, "the request runs")
+            conn.close()  # the client goes away
+            wait_for(lambda: not s.engine.has_unfinished(), "the request is aborted")
+            wait_for(lambda: s.app.state.in_flight.count == 0, "its place is free again")
+        wait_for(lambda: len(lines) == 2, "two access lines")
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(catch)
+        s.stop()
+    assert not errors, [e.getMessage() for e in errors]
+    assert all('" 499 ' in line and line.endswith(" client closed") for line in lines), lines
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama with 8,192 positions: a long request runs for seconds."""
+    from tiny_models import make_tiny_llama_dir
+
+    path, _ = make_tiny_llama_dir(
+        tmp_path_factory.mktemp("tiny") / "tiny", max_position_embeddings=8192
+    )
+    return path
+
+
+def serve(args: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pagedllm", "serve", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow  # ~9 s: a subprocess that imports torch (the in-process test above runs by default)
+def test_sigterm_ends_requests_in_flight_cleanly_and_exits_0(tiny_dir):
+    """The command itself: SIGTERM with a stream and a plain request in flight
+    and --shutdown-timeout 1: the stream gets an error event and [DONE], the
+    plain one a 503; exit 0, no traceback, no "client closed"."""
+    port = free_port()
+    proc = serve(["--port", str(port), "--model", str(tiny_dir), "--shutdown-timeout", "1"])
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _healthy(url, proc), "serve came up", timeout=60)
+        long = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8000}
+        conn, stream = open_stream(port, {**long, "ignore_eos": True})
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+        plain = pool.submit(client.completions.create, **long, extra_body={"ignore_eos": True})
+        wait_for(lambda: "pagedllm_requests_running 2.0" in _get(url + "/metrics"), "both run")
+        proc.send_signal(signal.SIGTERM)
+        rest = events(stream)
+        with pytest.raises(openai.InternalServerError) as refused:
+            plain.result(timeout=30)
+        assert_ended_cleanly(rest, refused)
+        conn.close()
+    finally:
+        pool.shutdown()
+        try:
+            output = proc.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output = proc.communicate()[0]
+    assert proc.returncode == 0, output
+    assert "Traceback" not in output and "client closed" not in output, output
+    posts = [line for line in output.splitlines() if '"POST /v1/completions"' in line]
+    assert len(posts) == 2 and all(line.endswith(" ended at shutdown") for line in posts), output
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def _healthy(url: str, proc: subprocess.Popen) -> bool:
+    assert proc.poll() is None, proc.communicate()[0]
+    try:
+        return json.loads(_get(url + "/health")) == {"status": "ok"}
+    except (urllib.error.URLError, ConnectionError):
+        return False
+
+
+# ------------------------------------------------------------ item 5
+@pytest.mark.parametrize(
+    ("args", "code", "words"),
+    [
+        (["--port", "70000"], 2, "argument --port: must be a port number from 1 to 65535"),
+        (["--host", "256.1.1.1"], 2, "argument --host: must be an IPv4 or IPv6 address"),
+        (["--host", "192.0.2.1"], 2, "argument --host: 192.0.2.1 is not an address of this"),
+        (["--port", "BUSY"], 1, "is already in use"),
+    ],
+)
+def test_a_bad_or_busy_address_is_refused_in_one_line_before_the_model_loads(
+    tmp_path, args, code, words
+):
+    """The model named does not exist: an error about the address, not about the
+    model, shows the address was checked first."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        args = [str(busy.getsockname()[1]) if a == "BUSY" else a for a in args]
+        t0 = time.time()
+        proc = serve([*args, "--model", str(tmp_path / "no-such-model")])
+        output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == code, output
+    errors = [line for line in output.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("pagedllm serve: error: "), output
+    assert words in errors[0]
+    assert "Traceback" not in output and "serving" not in output
+    assert time.time() - t0 < 10
