@@ -284,6 +284,40 @@ def test_a_broken_stream_is_a_failed_request(body, why):
     assert not result.ok and why in result.error
 
 
+@pytest.mark.parametrize(
+    "pieces, why",
+    [
+        ([b"HTTP/1.1 100 Continue\r\n\r\n", _framed("chunked", SSE_BODY)[0]], None),
+        (
+            [
+                b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 38\r\n\r\n",
+                b'{"error": {"message": "a wrong key"}}\n',
+            ],
+            "HTTP 401: a wrong key",
+        ),
+        ([b"HTTP/1.1 503 Busy\r\nContent-Length: 0\r\n\r\n"], "HTTP 503: (no body)"),
+        ([b"HTTP/1.1 500 Oops\r\nContent-Length: 99\r\n\r\ncut"], "HTTP 500: (no body)"),
+        ([], "closed the connection without an answer"),
+        ([b"SSH-2.0-OpenSSH\r\n\r\n"], "not an HTTP response"),
+        ([b"HTTP/1.1 200 OK\r\nX: " + b"x" * 70000], "head is over 64 KiB"),
+    ],
+)
+def test_the_completion_reader_reads_heads_as_http_request_does(pieces, why):
+    """Interim answers skipped; a status other than 200 and its body's message; no answer."""
+    if why is None:  # the 100 Continue, then the rest of the chunked stream
+        pieces = [pieces[0], *_framed("chunked", SSE_BODY)]
+
+    async def go() -> serve_bench.RequestResult:
+        async with _serving(pieces) as port:
+            return await serve_bench.send_completion(_client(port), [1], 4)
+
+    result = asyncio.run(go())
+    if why is None:
+        assert result.ok and result.output_tokens == 4 and result.events == 6, result.error
+    else:
+        assert not result.ok and why in result.error, result.error
+
+
 def test_the_sse_reader_byte_by_byte_equals_all_at_once():
     whole = serve_bench.SSEReader().feed(SSE_BODY)
     reader = serve_bench.SSEReader()

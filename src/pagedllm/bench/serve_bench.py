@@ -20,10 +20,10 @@ through `ignore_eos`, a vLLM extension pagedllm accepts too), sent as streamed
 `--request-rate` (exponential gaps, seeded), or all at once (`inf`), with at
 most `--max-concurrency` in flight. One asyncio event loop is the client: one
 connection per request (`Connection: close`), HTTP/1.1 written and read by
-hand on asyncio streams, so it needs nothing beyond the standard library.
-With `--client-processes N` the requests are sent and read by N processes,
-each its own event loop, while the arrivals and the cap stay in this one
-(`ClientProcesses`).
+hand (a streamed completion by an asyncio Protocol, where its bytes arrive),
+so it needs nothing beyond the standard library. With `--client-processes N`
+the requests are sent and read by N processes, each its own event loop,
+while the arrivals and the cap stay in this one (`ClientProcesses`).
 
 Order of a run: check the options -> GET /v1/models (the server is up, takes
 our key, names its model) -> one warm-up request (not measured) -> each rate
@@ -34,17 +34,18 @@ one line `pagedllm bench serve: error: ...` (exit 1).
 
 Owns: the HTTP client (`http_request`, `BodyDecoder`, `body_chunks`), the
 SSE reader (`SSEReader`), the events' parsing (`parse_event`, `EventParser`),
-the timing of one request (`send_completion`), the arrival process
-(`run_rate`, `ClientProcesses`) and the statistics (`percentile`,
-`summarize`). Does not own: the draw (workloads.py), the server
-(pagedllm/server/), the error style (pagedllm/cli_errors.py), the JSON line's
-printing (report.emit) or the stub server that the client's own benchmark
-runs against (serve_stub.py, scripts/bench_client.py).
+the timing of one request (`send_completion`, `CompletionReader`), the
+arrival process (`run_rate`, `ClientProcesses`) and the statistics
+(`percentile`, `summarize`). Does not own: the draw (workloads.py), the
+server (pagedllm/server/), the error style (pagedllm/cli_errors.py), the JSON
+line's printing (report.emit) or the stub server that the client's own
+benchmark runs against (serve_stub.py, scripts/bench_client.py).
 
-Limits, so the figures are read right: one client process reads about
-200,000 streamed events per CPU-second when many come per read and about
-80,000 when each comes on its own (one core of a 2-core EPYC VM;
-docs/benchmarks.md, "The serving client alone"). Past that the client is the
+Limits, so the figures are read right: one client process, on one core of a
+2-core EPYC VM, reads about 150,000-220,000 streamed events per second when
+many come in each read, and 45,000-70,000 when each stream's events come one
+to a few per read, where half the time is the kernel's (a read per socket);
+docs/benchmarks.md, "The serving client alone". Past that the client is the
 bottleneck: watch its CPU, or add --client-processes. An event's time is
 when the read that brought it returned: events that arrive in one read share
 a time, and their ITL gaps are 0. TTFT and E2E include opening the
@@ -157,22 +158,29 @@ async def http_request(
     extra = {"server_hostname": endpoint.host} if tls else {}
     reader, writer = await asyncio.open_connection(endpoint.host, endpoint.port, ssl=tls, **extra)
     try:
-        lines = [
-            f"{method} {endpoint.prefix}{path} HTTP/1.1",
-            f"Host: {endpoint.netloc}",
-            "User-Agent: pagedllm-bench-serve",
-            "Connection: close",
-        ]
-        lines += [f"{name}: {value}" for name, value in headers.items()]
-        if body is not None:
-            lines.append(f"Content-Length: {len(body)}")
-        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b""))
+        writer.write(_request_bytes(endpoint, method, path, headers, body))
         await writer.drain()
         status, response_headers = await read_head(reader)
     except BaseException:
         writer.close()
         raise
     return Response(status, response_headers, reader, writer)
+
+
+def _request_bytes(
+    endpoint: Endpoint, method: str, path: str, headers: dict[str, str], body: bytes | None
+) -> bytes:
+    """One HTTP/1.1 request, head and body, for a connection that closes after it."""
+    lines = [
+        f"{method} {endpoint.prefix}{path} HTTP/1.1",
+        f"Host: {endpoint.netloc}",
+        "User-Agent: pagedllm-bench-serve",
+        "Connection: close",
+    ]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    if body is not None:
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b"")
 
 
 async def read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
@@ -184,23 +192,25 @@ async def read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
             raise HTTPFailure("the server closed the connection without an answer") from None
         except asyncio.LimitOverrunError:
             raise HTTPFailure("the response's head is over 64 KiB") from None
-        lines = head.decode("latin-1").split("\r\n")
-        status_line = lines[0].split(" ", 2)  # HTTP/1.1 200 OK
-        if not (
-            len(status_line) >= 2
-            and status_line[0].startswith("HTTP/")
-            and status_line[1].isdigit()
-        ):
-            raise HTTPFailure(f"not an HTTP response: {lines[0][:80]!r}")
-        status = int(status_line[1])
-        if 100 <= status < 200:
-            continue
-        headers = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if sep:
-                headers[name.strip().lower()] = value.strip()
-        return status, headers
+        status, headers = _parse_head(head)
+        if not 100 <= status < 200:
+            return status, headers
+
+
+def _parse_head(head: bytes) -> tuple[int, dict[str, str]]:
+    """A response's head, up to its blank line: the status code and the headers."""
+    lines = head.decode("latin-1").split("\r\n")
+    status_line = lines[0].split(" ", 2)  # HTTP/1.1 200 OK
+    if not (
+        len(status_line) >= 2 and status_line[0].startswith("HTTP/") and status_line[1].isdigit()
+    ):
+        raise HTTPFailure(f"not an HTTP response: {lines[0][:80]!r}")
+    headers = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if sep:
+            headers[name.strip().lower()] = value.strip()
+    return int(status_line[1]), headers
 
 
 class BodyDecoder:
@@ -242,6 +252,7 @@ class BodyDecoder:
         if self.chunked:
             return self._unchunk(raw)
         if self.left is not None:
+            raw = raw[: self.left]  # never past the body's end
             self.left -= len(raw)
             self.done = self.left <= 0
         return raw
@@ -453,54 +464,157 @@ async def _stream(client: Client, prompt: list[int], max_tokens: int, r: Request
     """Fill `r` from the stream: ttft at the first text, itl between texts, end at [DONE]."""
     headers = client.headers | {"Content-Type": "application/json"}
     body = client.completion_body(prompt, max_tokens)
-    response = await http_request(client.endpoint, "POST", "/v1/completions", headers, body)
+    endpoint = client.endpoint
+    tls = ssl.create_default_context() if endpoint.scheme == "https" else None
+    extra = {"server_hostname": endpoint.host} if tls else {}
+    transport, reader = await asyncio.get_running_loop().create_connection(
+        lambda: CompletionReader(r), endpoint.host, endpoint.port, ssl=tls, **extra
+    )
     try:
-        if response.status != 200:
-            raise HTTPFailure(await _status_message(response))
-        # The body's reads, unframed and split into events here, not through
-        # body_chunks and sse_events: two async generators per event cost more
-        # than the rest of the event's reading (docs/benchmarks.md, "The
-        # serving client alone"). Same steps, same times.
-        texts, usage_tokens, last = 0, None, None
-        body, sse, reader = BodyDecoder(response.headers), SSEReader(), response.reader
-        parse = EventParser().parse
+        transport.write(_request_bytes(endpoint, "POST", "/v1/completions", headers, body))
+        await reader.finished
+    finally:
+        transport.close()
 
-        def take(now: float, data: str) -> bool:
-            """Count one event; True at [DONE]."""
-            nonlocal texts, usage_tokens, last
-            r.events += 1
-            if data == "[DONE]":
-                r.end = now
-                r.output_tokens = usage_tokens if usage_tokens is not None else texts
-                return True
-            text, tokens = parse(data)
-            if tokens is not None:
-                usage_tokens = tokens
-            if text:
-                texts += 1
-                if last is None:
-                    r.ttft = now - r.start
-                else:
-                    r.itl.append(now - last)
-                last = now
-            return False
 
-        while not body.done:
-            raw = await reader.read(body.want())
-            now = time.perf_counter()
-            if not raw:
-                body.eof()
-                break
-            if data := body.feed(raw):
-                for event in sse.feed(data):
-                    if take(now, event):
+class CompletionReader(asyncio.Protocol):
+    """The response to one streamed completion, read where its bytes arrive.
+
+    The same steps as `http_request`, `body_chunks` and `sse_events` (the
+    head, then BodyDecoder, SSEReader and EventParser), run inside the event
+    loop's own callback for each read rather than in a task that a stream
+    reader wakes: no future, no task step and no copy per read. When each
+    event comes on its own, that wake-up cost as much as reading the event
+    (docs/benchmarks.md, "The serving client alone"). An event's time is when
+    the read that brought it returned, as before. `finished` ends with None at
+    `data: [DONE]`, or with the failure (HTTPFailure, an OSError, or a
+    ValueError for bad UTF-8).
+    """
+
+    def __init__(self, r: RequestResult) -> None:
+        self.r = r
+        self.finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._head = b""  # the response's head, until it is whole
+        self._status = 0
+        self._body: BodyDecoder | None = None  # from the end of the head
+        self._sse = SSEReader()
+        self._parse = EventParser().parse
+        self._texts, self._usage_tokens, self._last = 0, None, None
+        self._error_body: list[bytes] | None = None  # a status other than 200: its body
+        self._timer: asyncio.TimerHandle | None = None
+
+    def data_received(self, data: bytes) -> None:
+        now = time.perf_counter()
+        if self.finished.done():
+            return  # [DONE] came, or the request failed: the rest is not read
+        try:
+            if self._body is None:
+                data = self._read_head(data)
+                if self._body is None:
+                    return
+            data = self._body.feed(data)
+            if self._error_body is not None:
+                self._error_body.append(data)
+                if self._body.done:
+                    self._fail_status()
+                return
+            if data:
+                for event in self._sse.feed(data):
+                    if self._take(now, event):
                         return
-        for event in sse.close():
-            if take(time.perf_counter(), event):
+            if self._body.done:
+                self._end()
+        except (HTTPFailure, ValueError) as e:  # ValueError: bad UTF-8
+            self._finish(e)
+
+    def eof_received(self) -> bool:
+        if not self.finished.done():
+            try:
+                if self._body is None:
+                    raise HTTPFailure("the server closed the connection without an answer")
+                if self._error_body is not None:
+                    self._fail_status()
+                else:
+                    self._body.eof()
+                    self._end()
+            except (HTTPFailure, ValueError) as e:
+                self._finish(e)
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if exc is None:
+            exc = HTTPFailure("the connection closed in the middle of the body")
+        self._finish(exc)
+
+    def _read_head(self, data: bytes) -> bytes:
+        """Take the head's bytes, interim answers (1xx) skipped; return the body's that
+        came with them."""
+        self._head += data
+        while (end := self._head.find(b"\r\n\r\n")) >= 0:
+            head, self._head = self._head[: end + 4], self._head[end + 4 :]
+            status, headers = _parse_head(head)
+            if 100 <= status < 200:
+                continue
+            self._status, self._body = status, BodyDecoder(headers)
+            if status != 200:  # its body says why: wait for it 10 s at most
+                self._error_body = []
+                loop = asyncio.get_running_loop()
+                self._timer = loop.call_later(10, self._fail_status, False)
+            rest, self._head = self._head, b""
+            return rest
+        if len(self._head) > LINE_LIMIT:
+            raise HTTPFailure("the response's head is over 64 KiB")
+        return b""
+
+    def _take(self, now: float, data: str) -> bool:
+        """Count one event; True at [DONE]."""
+        r = self.r
+        r.events += 1
+        if data == "[DONE]":
+            r.end = now
+            usage = self._usage_tokens
+            r.output_tokens = usage if usage is not None else self._texts
+            self._finish(None)
+            return True
+        text, tokens = self._parse(data)
+        if tokens is not None:
+            self._usage_tokens = tokens
+        if text:
+            self._texts += 1
+            if self._last is None:
+                r.ttft = now - r.start
+            else:
+                r.itl.append(now - self._last)
+            self._last = now
+        return False
+
+    def _end(self) -> None:
+        """The body ended: a last event without its blank line still counts, then [DONE]
+        must have come."""
+        for event in self._sse.close():
+            if self._take(time.perf_counter(), event):
                 return
         raise HTTPFailure("the stream ended without data: [DONE]")
-    finally:
-        response.close()
+
+    def _fail_status(self, whole: bool = True) -> None:
+        """A status other than 200, with the message of its body (none if it did not
+        come whole)."""
+        body = b""
+        if whole and self._error_body is not None and self._body is not None:
+            with contextlib.suppress(HTTPFailure):
+                self._body.eof()
+                body = b"".join(self._error_body)
+        self._finish(HTTPFailure(_status_text(self._status, body)))
+
+    def _finish(self, error: BaseException | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.finished.done():
+            return
+        if error is None:
+            self.finished.set_result(None)
+        else:
+            self.finished.set_exception(error)
 
 
 def parse_event(data: str) -> tuple[str, int | None]:
@@ -604,14 +718,19 @@ class EventParser:
 async def _status_message(response: Response) -> str:
     """`HTTP 401: MESSAGE`, the message taken from OpenAI's error shape when it is there."""
     try:
-        body = (await asyncio.wait_for(response.read(), 10)).decode("utf-8", "replace")
+        body = await asyncio.wait_for(response.read(), 10)
     except (HTTPFailure, OSError, asyncio.TimeoutError):
-        body = ""
+        body = b""
+    return _status_text(response.status, body)
+
+
+def _status_text(status: int, body: bytes) -> str:
+    text = body.decode("utf-8", "replace")
     try:
-        message = _error_message(json.loads(body))
+        message = _error_message(json.loads(text))
     except ValueError:
-        message = body
-    return f"HTTP {response.status}: {one_line(message)[:300] or '(no body)'}"
+        message = text
+    return f"HTTP {status}: {one_line(message)[:300] or '(no body)'}"
 
 
 def _error_message(obj: Any) -> str:
@@ -1087,7 +1206,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="send the requests from N processes, each with its own event loop, for servers "
-        "that stream more events than one client core reads (about 80,000-200,000/s); the "
+        "that stream more events than one client core reads (45,000-220,000/s); the "
         "arrivals and the cap stay in one place (default 1)",
     )
     o = p.add_argument_group("output")
