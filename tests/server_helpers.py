@@ -1,7 +1,7 @@
 """A real pagedllm server for tests: uvicorn on a thread, on a free loopback
-port, serving one engine thread (tests/test_server*.py, tests/test_bench_serve.py),
-built as `pagedllm serve` builds it (server/cli.py's make_server: its
-timeouts and its clean shutdown)."""
+port, in front of an engine-core process (tests/test_server*.py,
+tests/test_bench_serve.py), built as `pagedllm serve` builds it (server/cli.py's
+make_server: its timeouts and its clean shutdown)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import time
 
 import openai
 
-from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine_config import EngineConfig
 from pagedllm.server.app import build_app
 from pagedllm.server.cli import make_server
-from pagedllm.server.engine_thread import EngineThread
+from pagedllm.server.core_client import EngineCoreClient
+from pagedllm.tokenizer import Tokenizer
 
 MODEL = "smollm2-test"
 
@@ -26,8 +26,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _tokenizer(path: str):
+    """The model's own tokenizer, or None (a directory without tokenizer.json)."""
+    from pathlib import Path
+
+    if Path(path).is_dir() and not (Path(path) / "tokenizer.json").is_file():
+        return None
+    return Tokenizer.from_model_path(path)
+
+
 class Server:
-    """uvicorn on a thread, serving one engine thread."""
+    """uvicorn on a thread, in front of one engine-core process."""
 
     def __init__(
         self,
@@ -40,17 +49,17 @@ class Server:
         kv_cache_mib: float = 64,
         **settings,
     ):
-        """`model`: a loaded model, or None to load `path`; `app_options`: more keyword
-        arguments of build_app; `server_options`: of make_server (timeouts);
-        `settings`: EngineConfig's."""
+        """`model`: a loaded model (the core loads its file again), or None to load
+        `path`; `app_options`: more keyword arguments of build_app;
+        `server_options`: of make_server (timeouts); `settings`: EngineConfig's."""
+        path = path if model is None else str(model.source_path)
         config = EngineConfig(
             kv_cache_mib=kv_cache_mib, admission="optimistic", model=path, **settings
         )
-        self.engine = LLMEngine(config, model, log=lambda s: None)
-        self.thread = EngineThread(self.engine)
-        self.thread.start()
+        self.engine = EngineCoreClient(config, tokenizer=_tokenizer(path))
+        self.engine.start(timeout_s=120)
         self.app = build_app(
-            self.thread,
+            self.engine,
             MODEL,
             api_key=api_key,
             max_queued_requests=max_queued,
@@ -74,4 +83,11 @@ class Server:
     def stop(self) -> None:
         self.server.should_exit = True
         self._t.join(30)
-        self.thread.stop()
+        self.engine.shutdown()
+
+    def wait_for(self, cond, what: str, timeout: float = 30) -> None:
+        """Until `cond(gauges)` holds for the core's latest counters (core_process.Gauges)."""
+        deadline = time.time() + timeout
+        while not cond(self.engine.gauges):
+            assert time.time() < deadline, f"timed out waiting: {what} ({self.engine.gauges})"
+            time.sleep(0.02)

@@ -62,13 +62,13 @@ def post(url: str, body=None, **kw) -> Reply:
 
 
 def pages_settle(server: Server) -> None:
-    """Every page free (or cached) within a few steps of the last request."""
-    bm = server.engine.block_manager
-    deadline = time.time() + 20
-    while bm.num_used_blocks or server.engine.scheduler.has_unfinished():
-        assert time.time() < deadline, f"{bm.num_used_blocks} pages still held"
-        time.sleep(0.05)
-    assert not any(bm.pool.ref_counts)
+    """Every page free (or cached) within a few steps of the last request (the
+    core's counters, as its last step message gave them)."""
+    server.wait_for(
+        lambda g: g.pages_used == 0 and g.running == g.waiting == 0, "every page free", 20
+    )
+    g = server.engine.gauges
+    assert g.pages_free == g.pages_total
 
 
 def test_models_health_version(server):
@@ -523,16 +523,12 @@ def test_a_new_request_starts_within_a_few_steps_under_load(server):
         max_tokens=400,
         extra_body={"ignore_eos": True},
     )
-    engine = server.engine
-    deadline = time.time() + 30
-    while engine.scheduler.num_running == 0:
-        assert time.time() < deadline
-        time.sleep(0.01)
+    server.wait_for(lambda g: g.running > 0, "the long request runs")
     for _ in range(3):
-        before = engine.runner.num_steps
+        before = server.engine.gauges.steps
         stream = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, stream=True)
         next(iter(stream))
-        waited = engine.runner.num_steps - before
+        waited = server.engine.gauges.steps - before
         stream.close()
         assert waited <= 4, f"the first token came {waited} steps after the request"
     assert busy.result().usage.completion_tokens == 400

@@ -1,8 +1,9 @@
-"""The server's start and end (issue 33, items 3 and 5): a shutdown ends the
-requests in flight cleanly (a stream with an error event and [DONE], any other
-request with a 503) and exits 0; a client that leaves a non-streamed request
-aborts it without a traceback; a bad or busy address is refused in one line
-before the model loads.
+"""The server's start and end (issue 33, items 3 and 5; issue 34): a shutdown
+ends the requests in flight cleanly (a stream with an error event and [DONE],
+any other request with a 503) and exits 0; so does a dead engine core, and
+the server then exits 1; a client that leaves a non-streamed request aborts it
+without a traceback; a bad or busy address is refused in one line before the
+model loads.
 
 In-process servers (server_helpers) on SmolLM2, and `python -m pagedllm serve`
 itself on a tiny random model directory (tiny_models).
@@ -14,6 +15,7 @@ import concurrent.futures
 import http.client
 import json
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -77,7 +79,7 @@ def test_shutdown_ends_requests_in_flight_with_an_error_event_and_a_503(smollm2)
         long = {"model": MODEL, "prompt": "Tell a long story.", "max_tokens": 1000}
         conn, stream = open_stream(s.port, {**long, "ignore_eos": True})
         plain = pool.submit(s.client().completions.create, **long, extra_body={"ignore_eos": True})
-        wait_for(lambda: s.engine.scheduler.num_running == 2, "both requests run")
+        s.wait_for(lambda g: g.running == 2, "both requests run")
         t0 = time.time()
         s.server.should_exit = True  # what SIGTERM does
         rest = events(stream)
@@ -107,9 +109,9 @@ def test_a_client_leaving_a_non_streamed_request_aborts_it_without_a_traceback(s
         for _ in range(2):
             conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
             conn.request("POST", "/v1/completions", json.dumps(body), JSON)
-            wait_for(lambda: s.engine.scheduler.num_running == 1, "the request runs")
+            s.wait_for(lambda g: g.running == 1, "the request runs")
             conn.close()  # the client goes away
-            wait_for(lambda: not s.engine.has_unfinished(), "the request is aborted")
+            s.wait_for(lambda g: g.running == g.waiting == g.pages_used == 0, "it is aborted")
             wait_for(lambda: s.app.state.in_flight.count == 0, "its place is free again")
         wait_for(lambda: len(lines) == 2, "two access lines")
     finally:
@@ -135,7 +137,6 @@ def serve(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-@pytest.mark.slow  # ~9 s: a subprocess that imports torch (the in-process test above runs by default)
 def test_sigterm_ends_requests_in_flight_cleanly_and_exits_0(tiny_dir):
     """The command itself: SIGTERM with a stream and a plain request in flight
     and --shutdown-timeout 1: the stream gets an error event and [DONE], the
@@ -168,6 +169,60 @@ def test_sigterm_ends_requests_in_flight_cleanly_and_exits_0(tiny_dir):
     assert "Traceback" not in output and "client closed" not in output, output
     posts = [line for line in output.splitlines() if '"POST /v1/completions"' in line]
     assert len(posts) == 2 and all(line.endswith(" ended at shutdown") for line in posts), output
+
+
+def test_a_killed_engine_core_ends_every_request_and_the_server_exits_1(tiny_dir):
+    """kill -9 of the engine-core process: /health answers 503 naming the cause
+    within a second, a stream in flight gets an error event and [DONE], a plain
+    request a 503 in OpenAI's shape, and `pagedllm serve` exits 1 with one line."""
+    port = free_port()
+    proc = serve(["--port", str(port), "--model", str(tiny_dir)])
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _healthy(url, proc), "serve came up", timeout=60)
+        long = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8000}
+        conn, stream = open_stream(port, {**long, "ignore_eos": True})
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+        plain = pool.submit(client.completions.create, **long, extra_body={"ignore_eos": True})
+        wait_for(lambda: "pagedllm_requests_running 2.0" in _get(url + "/metrics"), "both run")
+        core = _core_pid(proc.pid)
+        os.kill(core, signal.SIGKILL)
+        t0 = time.time()
+        with pytest.raises(urllib.error.HTTPError) as health:
+            wait_for(lambda: _get(url + "/health") is None, "health stays 200", timeout=1)
+        assert time.time() - t0 < 1.0 and health.value.code == 503
+        assert "killed by SIGKILL" in health.value.read().decode()
+        rest = events(stream)
+        assert rest[-1] == "[DONE]"
+        assert "killed by SIGKILL" in json.loads(rest[-2])["error"]["message"]
+        with pytest.raises(openai.APIStatusError) as refused:
+            plain.result(timeout=30)
+        assert refused.value.status_code == 503 and refused.value.body["type"] == "server_error"
+        conn.close()
+    finally:
+        pool.shutdown()
+        try:
+            output = proc.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output = proc.communicate()[0]
+    assert proc.returncode == 1, output
+    assert output.rstrip().splitlines()[-1] == (
+        "pagedllm serve: error: the engine core stopped: the engine core was killed by SIGKILL"
+    )
+    assert "Traceback" not in output, output
+
+
+def _core_pid(server_pid: int) -> int:
+    """The engine-core process: the server's child (a spawned Python)."""
+    with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
+        children = [int(p) for p in f.read().split()]
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                return pid
+    raise AssertionError(f"no engine-core process among {children}")
 
 
 def _get(url: str) -> str:

@@ -35,8 +35,7 @@ def server(smollm2):
 
 
 def pool_tokens(server: Server) -> int:
-    bm = server.engine.block_manager
-    return bm.num_blocks * bm.block_size
+    return server.engine.pool_tokens
 
 
 def request(server: Server, method: str, path: str, body=None, raw: bytes | None = None, conn=None):

@@ -341,7 +341,7 @@ def test_the_server_reports_a_dead_worker_on_health(models):
         assert len(done.choices[0].text) > 0 or done.usage.completion_tokens == 3
         with urllib.request.urlopen(server.url + "/health") as r:
             assert r.status == 200
-        os.kill(server.engine.workers.procs[0].pid, signal.SIGKILL)
+        os.kill(server.engine.ready.worker_pids[0], signal.SIGKILL)
         deadline = time.time() + 20
         while True:
             try:
@@ -359,7 +359,6 @@ def test_the_server_reports_a_dead_worker_on_health(models):
         assert refused.value.status_code == 503
     finally:
         server.stop()
-        server.engine.close()
 
 
 def test_a_rank0_failure_mid_step_stops_the_workers_not_the_process(models):

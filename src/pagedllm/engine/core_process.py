@@ -70,6 +70,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     block_size: int
     model_path: str | None
     load_time_s: float
+    worker_pids: list[int]  # tensor-parallel ranks 1..N-1 (processes of the core's own)
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):
@@ -100,6 +101,7 @@ class Gauges(msgspec.Struct, array_like=True):
     prefix_cache_hit_rate: float
     preemptions: int
     admission_waits: int
+    steps: int  # engine steps so far
 
 
 class Step(msgspec.Struct, tag="step", array_like=True):
@@ -148,6 +150,7 @@ def run_engine_core(setup: CoreSetup) -> None:
     outputs.connect(setup.output_address)
     encoder = msgspec.msgpack.Encoder()
     code = 1
+    loop = None
     try:
         engine = _build_engine(setup)
         kv = engine.kv_spec
@@ -159,16 +162,21 @@ def run_engine_core(setup: CoreSetup) -> None:
             block_size=kv.block_size,
             model_path=None if path is None else str(path),
             load_time_s=round(engine.load_time_s, 3),
+            worker_pids=[] if engine.workers is None else [p.pid for p in engine.workers.procs],
         )
         outputs.send(encoder.encode(ready))
+        loop = EngineCoreLoop(engine, inputs, outputs, setup.parent_pid)
         try:
-            EngineCoreLoop(engine, inputs, outputs, setup.parent_pid).run()
+            loop.run()
         finally:
             engine.close()
         code = 0
     except BaseException as e:  # noqa: BLE001 - reported to the HTTP process in one line
+        # A failure reported first (a dead tensor-parallel worker) is the cause; the
+        # step that then broke (its collective lost a rank) only its consequence.
+        why = (loop.failure if loop is not None else None) or _one_line(e)
         with contextlib.suppress(Exception):
-            outputs.send(encoder.encode(Failed(_one_line(e))))
+            outputs.send(encoder.encode(Failed(why)))
         if not isinstance(e, (ValueError, FileNotFoundError, OSError, _ParentGone)):
             import traceback
 
@@ -224,7 +232,17 @@ class EngineCoreLoop:
         self.client_ids: dict[int, int] = {}  # engine request id -> client id
         self.pending: list[RequestOutput] = []  # rejections, sent with the next message
         self.stopping = False
+        self.failure: str | None = None  # set by another thread: a worker died
         self._last_parent_check = time.monotonic()
+        if getattr(engine, "workers", None) is not None:
+            engine.workers.on_failure = self._worker_failed
+
+    def _worker_failed(self, message: str) -> None:
+        """A tensor-parallel worker died (its monitor thread calls this): the core
+        stops. An idle loop stops within a second; one blocked in a step stops
+        when the step fails."""
+        print(f"[core] {message}", file=sys.stderr, flush=True)
+        self.failure = message
 
     def run(self) -> None:
         from pagedllm.utils import gc_frozen
@@ -239,6 +257,8 @@ class EngineCoreLoop:
                 elif self.pending:
                     self._send([])
                 self._check_parent(busy)
+                if self.failure is not None:
+                    raise RuntimeError(self.failure)
         for req in list(self.requests.values()):  # Shutdown with requests left
             engine.abort(req, report=False)
 
@@ -251,6 +271,8 @@ class EngineCoreLoop:
         if wait:
             while not self.poller.poll(int(self.PARENT_CHECK_S * 1000)):
                 self._check_parent(busy=False)
+                if self.failure is not None:
+                    raise RuntimeError(self.failure)
         while True:
             try:
                 frame = self.inputs.recv(zmq.NOBLOCK, copy=False)
@@ -315,6 +337,7 @@ class EngineCoreLoop:
             prefix_cache_hit_rate=round(s.num_cache_hit_tokens / queried, 4) if queried else 0.0,
             preemptions=s.num_preemptions,
             admission_waits=s.num_admission_waits,
+            steps=self.engine.num_steps,
         )
 
     def _check_parent(self, busy: bool) -> None:

@@ -48,7 +48,7 @@ class RequestText:
         self.detokenizer = None
         if tokenizer is not None:
             vocab = tokenizer.vocab_size
-            prime = [t for t in prompt_ids[-PRIMING_IDS:] if t < vocab]
+            prime = [t for t in prompt_ids[-PRIMING_IDS:] if 0 <= t < vocab]
             self.detokenizer = IncrementalDetokenizer(
                 tokenizer, prompt_ids=prime, skip_special_tokens=params.skip_special_tokens
             )

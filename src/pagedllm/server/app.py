@@ -1,10 +1,12 @@
-"""The OpenAI-compatible HTTP API (FastAPI), in front of one `EngineThread`.
+"""The OpenAI-compatible HTTP API (FastAPI), in front of the engine-core process.
 
 Owns: routes, request validation into OpenAI's error shape, response and
 Server-Sent-Event framing, the API key, the count of requests in flight (what
 --max-queued-requests caps) and their end at shutdown, the body-read deadline,
-and the metrics. Does not own: any tensor (handlers only tokenize and hand
-token ids to the engine thread), or the step loop (engine_thread.py).
+and the metrics. The text work is this process's too: the engine core sends
+token ids, and its client (core_client.py) detokenizes them and matches stop
+strings. Does not own: any tensor, or the step loop (engine/core_process.py,
+in a process of its own: this process's Python never holds up a step).
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
     POST /tokenize   POST /detokenize   GET /health   GET /version   GET /metrics
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import hmac
 import json
@@ -38,7 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedllm import __version__
 from pagedllm.engine.llm_engine import StepOutput
 from pagedllm.scheduler import RequestRejected
-from pagedllm.server.engine_thread import EngineDead, EngineThread
+from pagedllm.server.core_client import EngineCoreClient, EngineDead
 from pagedllm.server.metrics import Metrics
 from pagedllm.server.protocol import (
     MAX_STOP_STRINGS,
@@ -301,7 +304,7 @@ class AccessLog:
 
 
 def build_app(
-    engine_thread: EngineThread,
+    engine: EngineCoreClient,
     model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -313,20 +316,31 @@ def build_app(
     """The app. `access_log`: where AccessLog's lines go (None: no access log);
     `log_requests`: also log each completion request's body, prompt included;
     `body_timeout`: seconds a request's body may take to arrive (then a 408).
-    `app.state.in_flight.drain(seconds)` ends the requests in flight at shutdown."""
-    engine = engine_thread.engine
+    `app.state.in_flight.drain(seconds)` ends the requests in flight at shutdown.
+    `engine`: a started EngineCoreClient (its core is ready); the app's
+    lifespan attaches it to the serving event loop."""
     tokenizer = engine.tokenizer
     max_model_len = engine.max_model_len
     # The most tokens one request can ever hold in the KV cache (its prompt and
     # all its output but the last token): the whole pool.
-    pool_tokens = engine.block_manager.num_blocks * engine.block_manager.block_size
-    metrics = Metrics(engine)
+    pool_tokens = engine.pool_tokens
+    metrics = Metrics(lambda: engine.gauges)
     in_flight = InFlight()
     # One thread: large texts queue for it rather than many threads each taking
     # the GIL from the event loop.
     tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenize")
-    app = FastAPI(title="pagedllm", version=__version__)
-    app.state.engine_thread = engine_thread
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await engine.attach()  # read the core's messages on this loop
+        try:
+            yield
+        finally:
+            await engine.detach()
+            tokenize_pool.shutdown(wait=False)
+
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
+    app.state.engine = engine
     app.state.in_flight = in_flight
 
     # ------------------------------------------------------------ errors
@@ -351,8 +365,8 @@ def build_app(
     # ------------------------------------------------------------ plain routes
     @app.get("/health")
     async def health() -> Any:
-        if not engine_thread.alive:
-            why = engine_thread.error or "not serving"
+        if not engine.alive:
+            why = engine.error or "not serving"
             return _error(503, f"the engine is not serving: {why}", "server_error")
         return {"status": "ok"}
 
@@ -468,8 +482,8 @@ def build_app(
         return max(min(room, fits), 1)
 
     async def _complete(request: Request, body: Any, prompts: list[list[int]], chat: bool) -> Any:
-        if not engine_thread.alive:
-            raise APIError(503, "the engine is not serving", "server_error")
+        if not engine.alive:
+            raise APIError(503, f"the engine is not serving: {engine.error}", "server_error")
         if in_flight.stopping:
             raise APIError(503, SHUTDOWN_MESSAGE, "server_error")
         logprobs = body.wanted_logprobs()
@@ -542,7 +556,7 @@ def build_app(
         t0 = time.perf_counter()
         last = None
         try:
-            async for out in engine_thread.generate(ids, params):
+            async for out in engine.generate(ids, params):
                 now = time.perf_counter()
                 metrics.on_output(out, t0, last, now)
                 last = now
@@ -595,6 +609,9 @@ def build_app(
         except ServerEnding:
             request.state.ended = "ended at shutdown"
             raise APIError(503, SHUTDOWN_MESSAGE, "server_error") from None
+        except EngineDead as e:
+            request.state.ended = "engine died"
+            raise APIError(503, f"the engine is not serving: {e}", "server_error") from None
         finally:
             # Each task runs its cancellation through its stream (the request's
             # abort) before the streams are closed: closing a stream that a task
@@ -702,12 +719,16 @@ def build_app(
                 }
                 yield chunk([], counts)
             yield "data: [DONE]\n\n"
-        except ServerEnding:
+        except (ServerEnding, EngineDead) as e:
             # The stream ends as a stream should: an error event (the openai
             # client raises it), then [DONE].
-            request.state.ended = "ended at shutdown"
-            error = _error_body(503, SHUTDOWN_MESSAGE, "server_error")
-            yield f"data: {json.dumps(error)}\n\n"
+            if isinstance(e, EngineDead):
+                request.state.ended = "engine died"
+                message = f"the engine is not serving: {e}"
+            else:
+                request.state.ended = "ended at shutdown"
+                message = SHUTDOWN_MESSAGE
+            yield f"data: {json.dumps(_error_body(503, message, 'server_error'))}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             await _close(streams)

@@ -8,6 +8,14 @@ Every request is logged in one line when it ends (client, method, path, status,
 prompt and completion tokens, seconds, request id); the prompt's text only
 with --log-requests, --no-access-log for none.
 
+Two processes: this one (HTTP: parsing, the chat template, tokenizing,
+detokenizing, stop strings, SSE, metrics) and the engine core's (the
+scheduler, the KV pool, the model, sampling: engine/core_process.py), which
+starts first and loads the model while this one loads its tokenizer. If the
+core dies, /health turns 503 at once, every request in flight ends (a stream
+with an error event and `data: [DONE]`, any other with a 503), and the server
+exits 1 with one line naming the cause; if this process dies, the core exits.
+
 Engine flags are those of `pagedllm` (engine_args.py), with optimistic
 admission by default (a server's requests come and go; reserving every page a
 request might write would leave most of the pool idle). The port is bound
@@ -59,7 +67,6 @@ from pagedllm.model_source import (
 )
 
 PROG = "pagedllm serve"
-GIL_SWITCH_INTERVAL_S = 0.0005
 DEFAULT_KEEP_ALIVE_S = 5.0  # uvicorn's and vLLM's
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0  # app.DEFAULT_BODY_TIMEOUT_S (app.py imports fastapi)
@@ -67,6 +74,8 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 # After --shutdown-timeout the app ends its requests itself; uvicorn cuts what
 # is still open this much later (a client that does not read its reply).
 SHUTDOWN_GRACE_S = 3.0
+# A dead engine core: /health answers 503 this long before the server exits.
+DEATH_EXIT_DELAY_S = 2.0
 
 port_number = checked(whole_number, lambda v: 1 <= v <= 65535, "a port number from 1 to 65535")
 seconds = checked(number, lambda v: v >= 0, "a number of seconds >= 0")
@@ -180,36 +189,37 @@ def serve_main(argv: list[str]) -> int:
         import uvicorn  # noqa: F401
 
         from pagedllm.server.app import build_app
-        from pagedllm.server.engine_thread import EngineThread
+        from pagedllm.server.core_client import EngineCoreClient
     except ImportError as e:
         sock.close()
         return error(PROG, f"{e}; install the server extra: pip install 'pagedllm[server]'")
-    from pagedllm.engine.llm_engine import LLMEngine
 
     def log(message: str) -> None:
-        print(f"[serve] {message}", file=sys.stderr)
+        print(f"[serve] {message}", file=sys.stderr, flush=True)
 
+    if spec.load_format == "dummy":
+        log(f"{spec.describe()}: making random weights")
+    # The core process loads the model (every rank its own slice, with
+    # --tensor-parallel-size: a preset is its directory with dummy weights)
+    # while this process loads the tokenizer; the port listens once both are done.
+    engine = EngineCoreClient(config.replace(**engine_model(spec)), spec)
     try:
-        if spec.load_format == "dummy":
-            log(f"{spec.describe()}: making random weights")
-        # The engine loads the model itself (every rank its own slice, with
-        # --tensor-parallel-size): a preset is its directory with dummy weights.
-        engine = LLMEngine(
-            config.replace(**engine_model(spec)), None, load_tokenizer(spec, log), log=log
-        )
+        engine.start_process()
+        engine.tokenizer = _tokenizer(spec, config, log)
+        ready = engine.wait_ready()
+        _check_vocab(engine.tokenizer, ready.vocab_size, log)
     except (ValueError, FileNotFoundError, OSError) as e:
+        engine.shutdown()
         sock.close()
         return error(PROG, e)
-    name = args.served_model_name or _model_name(engine, spec)
-    # The stepping thread waits on the GPU with the GIL released, then must win
-    # it back from the event loop; at Python's default 5 ms interval that wait
-    # is a whole step at batch 256 (on the H200, 0.5 ms took a saturated
-    # Llama-3.2-1B server from 13,900 to 18,400 output tokens/s).
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    thread = EngineThread(engine)
-    thread.start()
+    except BaseException:  # Ctrl-C while loading: the core must not outlive us
+        engine.shutdown()
+        sock.close()
+        raise
+    log(f"engine core ready in {ready.load_time_s:.1f} s (pid {engine.process.pid})")
+    name = args.served_model_name or _model_name(ready.model_path, spec)
     app = build_app(
-        thread,
+        engine,
         name,
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
@@ -226,12 +236,51 @@ def serve_main(argv: list[str]) -> int:
         header_timeout=args.header_timeout,
         shutdown_timeout=args.shutdown_timeout,
     )
+    died: list[str] = []
+
+    def on_death(why: str) -> None:
+        # Every request in flight has already been ended (core_client). For a
+        # moment /health answers 503 with the cause (what a load balancer probes
+        # for), then the server stops.
+        died.append(why)
+        asyncio.get_running_loop().call_later(DEATH_EXIT_DELAY_S, _exit, server)
+
+    engine.on_death = on_death
     try:
         server.run(sockets=[sock])
     finally:
-        thread.stop()  # aborts what is left; pages go back
-        engine.close()  # tensor-parallel workers, if any
+        engine.shutdown()  # the core aborts what is left and exits
+    if died:
+        return error(PROG, f"the engine core stopped: {died[0]}")
     return 0
+
+
+def _exit(server: Any) -> None:
+    server.should_exit = True
+
+
+def _tokenizer(spec: ModelSpec, config: Any, log: Any) -> Any:
+    """This process's tokenizer: the one `spec` asks for, else the model's own
+    (None: token-id prompts only)."""
+    from pagedllm.resolve import resolve_model_path
+    from pagedllm.tokenizer import Tokenizer
+
+    tok = load_tokenizer(spec, log)
+    if tok is not None or spec.load_format == "dummy":
+        return tok
+    path = resolve_model_path(config.replace(**engine_model(spec)).model)
+    if path.is_dir() and not (path / "tokenizer.json").is_file():
+        log(f"{path} has no tokenizer.json: prompts must be token ids")
+        return None
+    return Tokenizer.from_model_path(path)
+
+
+def _check_vocab(tokenizer: Any, model_vocab: int, log: Any) -> None:
+    if tokenizer is None:
+        return
+    from pagedllm.engine.llm_engine import _check_vocab_sizes
+
+    _check_vocab_sizes(model_vocab, tokenizer.vocab_size, lambda m: None)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -373,8 +422,7 @@ def _header_timeout_protocol(timeout: float) -> type:
     return HeaderTimeoutProtocol
 
 
-def _model_name(engine, spec: ModelSpec) -> str:
-    path = getattr(engine.model, "source_path", None)
+def _model_name(path: str | None, spec: ModelSpec) -> str:
     if path is None:
         return spec.name
     return Path(path).name.removesuffix(".gguf")

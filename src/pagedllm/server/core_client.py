@@ -139,6 +139,11 @@ class EngineCoreClient:
     def start(self, timeout_s: float | None = None) -> Ready:
         """Spawn the core and wait until its model is loaded. Raises ValueError
         with the core's own one-line reason if it could not start."""
+        self.start_process()
+        return self.wait_ready(timeout_s)
+
+    def start_process(self) -> None:
+        """Spawn the core; it loads the model while the caller does other work."""
         setup = CoreSetup(
             config=self.config,
             tokenizer_spec=self.tokenizer_spec,
@@ -151,12 +156,17 @@ class EngineCoreClient:
         # Not a daemon: with tensor parallelism the core starts worker processes.
         self.process = ctx.Process(target=run_engine_core, args=(setup,), name="pagedllm-core")
         self.process.start()
+
+    def wait_ready(self, timeout_s: float | None = None) -> Ready:
+        """Wait for the core's `Ready` (ValueError with its reason if it failed)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             if self._from_core.poll(100):
                 msg = self._decoder.decode(self._from_core.recv())
                 if isinstance(msg, Ready):
                     self.ready = msg
+                    n = msg.num_blocks
+                    self.gauges = Gauges(0, 0, 0, n, n, 0.0, 0, 0, 0)
                     return msg
                 if isinstance(msg, Failed):
                     self._reap()
@@ -213,6 +223,8 @@ class EngineCoreClient:
         self._close()
 
     def _close(self) -> None:
+        if self._ctx.closed:
+            return
         for sock in (self._to_core, self._from_core):
             sock.close(linger=0)
         self._ctx.term()
@@ -231,6 +243,12 @@ class EngineCoreClient:
     def vocab_size(self) -> int:
         assert self.ready is not None
         return self.ready.vocab_size
+
+    @property
+    def pool_tokens(self) -> int:
+        """The most tokens one request can ever hold in the KV cache: the whole pool."""
+        assert self.ready is not None
+        return self.ready.num_blocks * self.ready.block_size
 
     # -------------------------------------------------------- for handlers
     async def generate(

@@ -1,13 +1,16 @@
 """Prometheus metrics of one server (`GET /metrics`), with `prometheus_client`.
 
 Owns: the latency histograms (time to first token, inter-token latency,
-end-to-end) and token counters, observed as outputs arrive, and gauges read
-from the engine's counters when scraped (requests running and waiting, KV
-pages used and free, prefix-cache hit rate, preemptions, admission waits).
+end-to-end) and token counters, observed as outputs arrive in the HTTP
+process, and gauges set from the engine core's counters when scraped
+(requests running and waiting, KV pages used and free, prefix-cache hit rate,
+preemptions, admission waits): the core sends them with every step's message
+(`core_process.Gauges`), so a scrape never asks the core anything.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import (
@@ -23,8 +26,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 class Metrics:
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
+    def __init__(self, gauges: Callable[[], Any]) -> None:
+        """`gauges`: the core's latest `Gauges` (None before its first step)."""
+        self.gauges = gauges
         r = self.registry = CollectorRegistry()
         p = "pagedllm_"
         self.ttft = Histogram(
@@ -77,19 +81,18 @@ class Metrics:
             self.finished.labels(str(out.request.finish_reason)).inc()
 
     def render(self) -> tuple[bytes, str]:
-        s = self.engine.scheduler
-        bm = self.engine.block_manager
-        stats = self.engine.stats()
-        values = {
-            "requests_running": s.num_running,
-            "requests_waiting": s.num_waiting,
-            "kv_pages_used": bm.num_used_blocks,
-            "kv_pages_free": bm.num_free_blocks,
-            "kv_pages_total": bm.num_blocks,
-            "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
-            "preemptions": stats["preemptions"],
-            "admission_waits": stats["admission_waits"],
-        }
-        for name, value in values.items():
-            self._gauges[name].set(value)
+        g = self.gauges()
+        if g is not None:
+            for name in self._gauges:
+                self._gauges[name].set(getattr(g, _GAUGE_FIELDS.get(name, name)))
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+# Gauge name -> core_process.Gauges field, where they differ.
+_GAUGE_FIELDS = {
+    "requests_running": "running",
+    "requests_waiting": "waiting",
+    "kv_pages_used": "pages_used",
+    "kv_pages_free": "pages_free",
+    "kv_pages_total": "pages_total",
+}
