@@ -1056,6 +1056,14 @@ def test_context_advice_leads_somewhere(
         assert text not in msg, msg
 
 
+def test_a_request_larger_than_a_one_page_pool_says_1_page() -> None:
+    s = make_scheduler(num_blocks=1, block_size=1)
+    with pytest.raises(RequestRejected) as info:
+        s.add_request(make_request(0, 2, 2))
+    msg = str(info.value)
+    assert "KV pages of 1 token (" in msg and "has 1 page (1 token)" in msg, msg
+
+
 # -------------------------------------------------------- finish / update
 
 

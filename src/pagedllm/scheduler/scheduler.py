@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pagedllm.engine_config import ADMISSION_POLICIES, BATCHING_POLICIES
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.request import FinishReason, Request, RequestStatus
+from pagedllm.utils import plural
 
 BATCHING_CHOICES = BATCHING_POLICIES
 
@@ -215,10 +216,10 @@ class Scheduler:
         need = bm.reservation_blocks(request)
         if need > bm.num_blocks:
             return (
-                f"request {rid}: needs {need} KV pages of {bm.block_size} tokens "
+                f"request {rid}: needs {need} KV pages of {plural(bm.block_size, 'token')} "
                 f"(prompt {prompt} + max_tokens {max_tokens} - 1 = {prompt + max_tokens - 1} "
-                f"tokens) but the whole KV cache has {bm.num_blocks} pages "
-                f"({bm.num_blocks * bm.block_size} tokens); "
+                f"tokens) but the whole KV cache has {plural(bm.num_blocks, 'page')} "
+                f"({plural(bm.num_blocks * bm.block_size, 'token')}); "
                 f"raise --kv-cache-mib (kv_cache_mib) or lower max_tokens"
             )
         return None
