@@ -21,6 +21,7 @@ from pagedllm.bench.cli import bench_main
 from pagedllm.bench.workloads import (
     THROUGHPUT_SUM_MAX_TOKENS,
     draw_throughput,
+    fixed_throughput,
     latency_workload,
     prefix_workload,
     reusable_prompt_share,
@@ -171,6 +172,20 @@ def test_static_batching_throughput(tiny_dir, capsys):
     assert bench_main([*argv, "--batching", "static"]) == 0
     rec = _last_json(capsys.readouterr().out)
     assert rec["output_tokens"] == draw_throughput(6, 32, 8, 512).output_tokens
+
+
+def test_throughput_with_fixed_lengths_is_a_serving_draw(tiny_dir, capsys):
+    """--prompt-len/--output-len: every request the same lengths, each prompt its own
+    ids (as `vllm bench serve --dataset-name random` draws them)."""
+    w = fixed_throughput(5, 12, 3, vocab_size=512)
+    assert [len(p) for p in w.prompts] == [12] * 5 and w.max_tokens == [3] * 5
+    assert len({tuple(p) for p in w.prompts}) == 5
+    argv = ["throughput", "--model", str(tiny_dir), *SMALL, "--num-requests", "5"]
+    assert bench_main([*argv, "--prompt-len", "12", "--output-len", "3"]) == 0
+    rec = _last_json(capsys.readouterr().out)
+    assert rec["output_tokens"] == 15 and "12 prompt tokens" in rec["workload_description"]
+    assert bench_main([*argv, "--prompt-len", "12", "--max-output-len", "3"]) == 2
+    assert "give one kind" in capsys.readouterr().err
 
 
 def test_preset_needs_dummy_weights(capsys):

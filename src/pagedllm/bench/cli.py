@@ -131,13 +131,17 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"throughput, pages: scale drawn output lengths to <= N (pages: {PAGES_MAX_LEN})",
     )
     w.add_argument(
-        "--prompt-len", type=positive_int, metavar="N", help="latency: 128, ttft: 1024 by default"
+        "--prompt-len",
+        type=positive_int,
+        metavar="N",
+        help="latency: 128, ttft: 1024 by default; throughput: every prompt N tokens "
+        "(with --output-len: fixed lengths, as a serving benchmark's random draw)",
     )
     w.add_argument(
         "--output-len",
         type=positive_int,
         metavar="N",
-        help="new tokens: latency 512, prefix 128 by default",
+        help="new tokens: latency 512, prefix 128 by default; throughput: every request N",
     )
     w.add_argument(
         "--runs",
@@ -275,6 +279,13 @@ def _check(
     if args.workload == "ttft" and args.output_len not in (None, 1):
         parser.error("ttft makes exactly one token; --output-len does not apply")
     given = _given(parser, argv)
+    fixed = {"prompt_len", "output_len"} & given
+    scaled = {"max_prompt_len", "max_output_len"} & given
+    if args.workload == "throughput" and fixed and scaled:
+        parser.error(
+            "throughput: --prompt-len/--output-len fix every request's lengths; "
+            "--max-prompt-len/--max-output-len scale the drawn ones: give one kind"
+        )
     for dest, why in SWEPT.get(args.workload, {}).items():
         if dest in given:
             parser.error(f"{why}; drop --{dest.replace('_', '-')}")
@@ -587,6 +598,10 @@ def _plot_pages(args, model, settings: dict[str, Any], work, warmup, context) ->
 
 def _workload(args: argparse.Namespace, vocab: int) -> workloads.Workload:
     n = args.num_requests or NUM_REQUESTS.get(args.workload)
+    if args.workload == "throughput" and (args.prompt_len or args.output_len):
+        # Fixed lengths: the shape of a serving benchmark's draw (docs/benchmarks.md).
+        prompt_len, output_len = args.prompt_len or 512, args.output_len or 128
+        return workloads.fixed_throughput(n, prompt_len, output_len, vocab)
     if args.workload == "throughput":
         return workloads.draw_throughput(n, args.max_prompt_len, args.max_output_len, vocab)
     if args.workload == "pages":

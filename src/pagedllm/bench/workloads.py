@@ -94,6 +94,20 @@ def draw_throughput(
     return Workload("throughput", prompts, max_tokens, desc)
 
 
+def fixed_throughput(
+    num_requests: int, prompt_len: int, output_len: int, vocab_size: int | None = None
+) -> Workload:
+    """All at once, every request the same lengths: `vllm bench serve --dataset-name
+    random`'s shape (each prompt its own random ids, so none shares a cached
+    prefix), to set the engine alone beside a server that ran the same draw."""
+    prompts = [random_prompt(prompt_len, vocab_size, seed=i) for i in range(num_requests)]
+    desc = (
+        f"{plural(num_requests, 'request')} of {plural(prompt_len, 'prompt token')} and "
+        f"{plural(output_len, 'new token')} each, random ids (seed = request index)"
+    )
+    return Workload("throughput", prompts, [output_len] * num_requests, desc)
+
+
 def random_prompt(length: int, vocab_size: int | None = None, seed: int = 0) -> list[int]:
     """`length` random ids in [0, 10000], folded into the vocabulary if it is smaller."""
     rng = random.Random(seed)
