@@ -42,9 +42,9 @@ line's printing (report.emit) or the stub server that the client's own
 benchmark runs against (serve_stub.py, scripts/bench_client.py).
 
 Limits, so the figures are read right: one client process, on one core of a
-2-core EPYC VM, reads about 150,000-220,000 streamed events per second when
-many come in each read, and 45,000-70,000 when each stream's events come one
-to a few per read, where half the time is the kernel's (a read per socket);
+2-core EPYC VM, reads about 150,000-300,000 streamed events per second when
+many come in each read, and 50,000-80,000 per CPU-second when each stream's
+events come one to a few per read (a system call per read);
 docs/benchmarks.md, "The serving client alone". Past that the client is the
 bottleneck: watch its CPU, or add --client-processes. An event's time is
 when the read that brought it returned: events that arrive in one read share
@@ -66,6 +66,7 @@ import random
 import shlex
 import ssl
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -477,18 +478,32 @@ async def _stream(client: Client, prompt: list[int], max_tokens: int, r: Request
         transport.close()
 
 
-class CompletionReader(asyncio.Protocol):
+_thread_state = threading.local()
+
+
+def _read_buffer() -> memoryview:
+    """This thread's buffer for reads: each read is copied out before the next."""
+    buffer = getattr(_thread_state, "buffer", None)
+    if buffer is None:
+        buffer = _thread_state.buffer = memoryview(bytearray(READ_SIZE))
+    return buffer
+
+
+class CompletionReader(asyncio.BufferedProtocol):
     """The response to one streamed completion, read where its bytes arrive.
 
     The same steps as `http_request`, `body_chunks` and `sse_events` (the
     head, then BodyDecoder, SSEReader and EventParser), run inside the event
     loop's own callback for each read rather than in a task that a stream
-    reader wakes: no future, no task step and no copy per read. When each
-    event comes on its own, that wake-up cost as much as reading the event
-    (docs/benchmarks.md, "The serving client alone"). An event's time is when
-    the read that brought it returned, as before. `finished` ends with None at
-    `data: [DONE]`, or with the failure (HTTPFailure, an OSError, or a
-    ValueError for bad UTF-8).
+    reader wakes: no future and no task step per read. And the reads land in
+    one buffer per thread (a BufferedProtocol): a plain Protocol's transport
+    allocates 256 KiB for every read, which glibc maps and unmaps (three
+    system calls a read, as many as the read itself). When each event comes
+    on its own, those costs were most of the event's (docs/benchmarks.md,
+    "The serving client alone"). An event's time is when the read that
+    brought it returned, as before. `finished` ends with None at `data:
+    [DONE]`, or with the failure (HTTPFailure, an OSError, or a ValueError
+    for bad UTF-8).
     """
 
     def __init__(self, r: RequestResult) -> None:
@@ -502,6 +517,12 @@ class CompletionReader(asyncio.Protocol):
         self._texts, self._usage_tokens, self._last = 0, None, None
         self._error_body: list[bytes] | None = None  # a status other than 200: its body
         self._timer: asyncio.TimerHandle | None = None
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return _read_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(bytes(_read_buffer()[:nbytes]))  # the buffer is the next read's
 
     def data_received(self, data: bytes) -> None:
         now = time.perf_counter()
@@ -1206,7 +1227,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="send the requests from N processes, each with its own event loop, for servers "
-        "that stream more events than one client core reads (45,000-220,000/s); the "
+        "that stream more events than one client core reads (50,000-300,000/s); the "
         "arrivals and the cap stay in one place (default 1)",
     )
     o = p.add_argument_group("output")
