@@ -146,7 +146,7 @@ class Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        if self.stream is not None or self.transport is None:
+        if self.stream is not None or self.transport is None or self.transport.is_closing():
             return  # one request per connection: anything after it is ignored
         self.buffer += data
         end = self.buffer.find(b"\r\n\r\n")
@@ -161,7 +161,11 @@ class Connection(asyncio.Protocol):
         for line in lines[1:]:
             name, _, value = line.partition(":")
             if name.strip().lower() == "content-length":
-                length = int(value)
+                try:
+                    length = int(value)
+                except ValueError:
+                    self._answer(400, {"error": {"message": f"a bad Content-Length {value!r}"}})
+                    return
         body = self.buffer[end + 4 :]
         if len(body) < length:
             return  # the body is still coming
@@ -273,8 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.tokens_per_s is not None and not args.tokens_per_s > 0:
         p.error(f"--tokens-per-s is tokens per second, > 0, got {args.tokens_per_s:g}")
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.host, args.port, args.model, args.tokens_per_s))
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port is 0 (any free port) to 65535, got {args.port}")
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve(args.host, args.port, args.model, args.tokens_per_s))
+    except OSError as e:  # the address is taken, or not this machine's
+        print(f"{p.prog}: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
