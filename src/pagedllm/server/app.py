@@ -50,6 +50,7 @@ from pagedllm.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagedllm.server.tokenize_pool import POOL_MIN_CHARS, TokenizePool
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_MAX_QUEUED = 1024  # requests waiting or running; past it, a 503 (not unbounded memory)
@@ -312,13 +313,16 @@ def build_app(
     access_log: Callable[[str], None] | None = None,
     log_requests: bool = False,
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+    tokenize_workers: TokenizePool | None = None,
 ) -> FastAPI:
     """The app. `access_log`: where AccessLog's lines go (None: no access log);
     `log_requests`: also log each completion request's body, prompt included;
     `body_timeout`: seconds a request's body may take to arrive (then a 408).
     `app.state.in_flight.drain(seconds)` ends the requests in flight at shutdown.
     `engine`: a started EngineCoreClient (its core is ready); the app's
-    lifespan attaches it to the serving event loop."""
+    lifespan attaches it to the serving event loop. `tokenize_workers`: prompts
+    over POOL_MIN_CHARS characters are tokenized in its processes (started;
+    its owner shuts it down)."""
     tokenizer = engine.tokenizer
     max_model_len = engine.max_model_len
     # The most tokens one request can ever hold in the KV cache (its prompt and
@@ -396,9 +400,7 @@ def build_app(
         if body.messages is not None:
             ids = await _chat_ids(tok, body.messages)
         else:
-            text = body.prompt or ""
-            special = body.add_special_tokens
-            ids = await _off_loop(len(text), tok.encode, text, add_special_tokens=special)
+            ids = (await _encode_texts([body.prompt or ""], body.add_special_tokens))[0]
         return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
 
     @app.post("/detokenize")
@@ -455,7 +457,28 @@ def build_app(
 
     async def _chat_ids(tok: Any, messages: list[Any]) -> list[int]:
         size = sum(len(m.text()) for m in messages)
+        if tokenize_workers is not None and size > POOL_MIN_CHARS:
+            try:
+                return await tokenize_workers.encode_chat(_messages(messages))
+            except ValueError as e:  # the template refused the conversation
+                raise APIError(400, str(e), "invalid_request_error", "messages") from None
         return await _off_loop(size, _encode_chat, tok, messages)
+
+    async def _encode_texts(texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """Each text's ids: in the worker processes (one text each, in parallel)
+        when there are some and the texts are long, else here (large ones on
+        the tokenizer's thread)."""
+        tok = _need_tokenizer()
+        if tokenize_workers is not None and sum(map(len, texts)) > POOL_MIN_CHARS:
+            parts = await asyncio.gather(
+                *(tokenize_workers.encode_many([t], add_special_tokens) for t in texts)
+            )
+            return [ids for part in parts for ids in part]
+
+        def encode_all() -> list[list[int]]:
+            return [tok.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+
+        return await _off_loop(sum(map(len, texts)), encode_all)
 
     async def _completion_prompts(prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -463,12 +486,7 @@ def build_app(
         elif not prompt:
             raise APIError(400, "prompt is empty", "invalid_request_error", "prompt")
         if all(isinstance(p, str) for p in prompt):
-            tok = _need_tokenizer()
-
-            def encode_all() -> list[list[int]]:
-                return [tok.encode(p, add_special_tokens=True) for p in prompt]
-
-            return await _off_loop(sum(map(len, prompt)), encode_all)
+            return await _encode_texts(prompt, True)
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
         return [list(p) for p in prompt]

@@ -156,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 30)",
     )
     g.add_argument(
+        "--tokenizer-workers",
+        type=whole_number,
+        metavar="N",
+        help="processes that tokenize long prompts, so that many at once do not queue "
+        "on the HTTP process (default: half the cores beyond 2, at most 4; 0: none)",
+    )
+    g.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -203,18 +210,20 @@ def serve_main(argv: list[str]) -> int:
     # --tensor-parallel-size: a preset is its directory with dummy weights)
     # while this process loads the tokenizer; the port listens once both are done.
     engine = EngineCoreClient(config.replace(**engine_model(spec)), spec)
+    workers = None
     try:
         engine.start_process()
         engine.tokenizer = _tokenizer(spec, config, log)
+        workers = _tokenize_pool(engine.tokenizer, args.tokenizer_workers, log)
         ready = engine.wait_ready()
         _check_vocab(engine.tokenizer, ready.vocab_size, log)
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except BaseException as e:  # Ctrl-C while loading too: the core must not outlive us
         engine.shutdown()
+        if workers is not None:
+            workers.shutdown()
         sock.close()
-        return error(PROG, e)
-    except BaseException:  # Ctrl-C while loading: the core must not outlive us
-        engine.shutdown()
-        sock.close()
+        if isinstance(e, (ValueError, FileNotFoundError, OSError)):
+            return error(PROG, e)
         raise
     log(f"engine core ready in {ready.load_time_s:.1f} s (pid {engine.process.pid})")
     name = args.served_model_name or _model_name(ready.model_path, spec)
@@ -227,6 +236,7 @@ def serve_main(argv: list[str]) -> int:
         access_log=_access_logger() if args.access_log else None,
         log_requests=args.log_requests,
         body_timeout=args.body_timeout,
+        tokenize_workers=workers,
     )
     host = f"[{args.host}]" if ":" in args.host else args.host
     log(f"serving {name!r} on http://{host}:{args.port}/v1 (Ctrl-C to stop)")
@@ -250,6 +260,8 @@ def serve_main(argv: list[str]) -> int:
         server.run(sockets=[sock])
     finally:
         engine.shutdown()  # the core aborts what is left and exits
+        if workers is not None:
+            workers.shutdown()
     if died:
         return error(PROG, f"the engine core stopped: {died[0]}")
     return 0
@@ -257,6 +269,23 @@ def serve_main(argv: list[str]) -> int:
 
 def _exit(server: Any) -> None:
     server.should_exit = True
+
+
+def _tokenize_pool(tokenizer: Any, workers: int | None, log: Any) -> Any:
+    """Started tokenizer processes (tokenize_pool.py), or None: none asked for,
+    or no tokenizer. Default: half the usable cores beyond two (one for this
+    process, one for the engine core), at most 4."""
+    from pagedllm.cpu_threads import usable_cores
+    from pagedllm.server.tokenize_pool import TokenizePool
+
+    if workers is None:
+        workers = min(4, max(0, (usable_cores() - 2) // 2))
+    if tokenizer is None or workers == 0:
+        return None
+    pool = TokenizePool(tokenizer, workers)
+    pool.start()
+    log(f"{workers} tokenizer process{'es' if workers > 1 else ''}")
+    return pool
 
 
 def _tokenizer(spec: ModelSpec, config: Any, log: Any) -> Any:
