@@ -131,6 +131,7 @@ class CoreSetup:
     output_address: str = ""
     parent_pid: int = 0
     switch_interval_s: float | None = None
+    started_at: float = 0.0  # time.time() when the HTTP process spawned us (start-up log)
 
 
 def run_engine_core(setup: CoreSetup) -> None:
@@ -189,6 +190,9 @@ def run_engine_core(setup: CoreSetup) -> None:
 
 
 def _build_engine(setup: CoreSetup):
+    t0 = time.time()
+    import torch  # noqa: F401 - timed on its own: a second or more of every start
+
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.model_source import load_tokenizer
 
@@ -198,10 +202,17 @@ def _build_engine(setup: CoreSetup):
     def log(message: str) -> None:
         print(f"[core] {message}", file=sys.stderr, flush=True)
 
+    t1 = time.time()
     tokenizer = None
     if setup.tokenizer_spec is not None:
         tokenizer = load_tokenizer(setup.tokenizer_spec, log=lambda m: None)
-    return LLMEngine(setup.config, None, tokenizer, log=log)
+    engine = LLMEngine(setup.config, None, tokenizer, log=log)
+    since = setup.started_at or t0
+    log(
+        f"ready {time.time() - since:.1f} s after its spawn: started in {t0 - since:.1f} s, "
+        f"imports {t1 - t0:.1f} s, engine (model, KV pool, warm-up) {time.time() - t1:.1f} s"
+    )
+    return engine
 
 
 class _ParentGone(Exception):

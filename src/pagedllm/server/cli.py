@@ -45,6 +45,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -192,14 +193,13 @@ def serve_main(argv: list[str]) -> int:
         if code == EXIT_USAGE:
             parser.error(message)
         return error(PROG, message, code)
+    install = "install the server extra: pip install 'pagedllm[server]'"
     try:
-        import uvicorn  # noqa: F401
-
-        from pagedllm.server.app import build_app
         from pagedllm.server.core_client import EngineCoreClient
     except ImportError as e:
         sock.close()
-        return error(PROG, f"{e}; install the server extra: pip install 'pagedllm[server]'")
+        return error(PROG, f"{e}; {install}")
+    t0 = time.perf_counter()
 
     def log(message: str) -> None:
         print(f"[serve] {message}", file=sys.stderr, flush=True)
@@ -212,9 +212,14 @@ def serve_main(argv: list[str]) -> int:
     engine = EngineCoreClient(config.replace(**engine_model(spec)), spec)
     workers = None
     try:
-        engine.start_process()
+        engine.start_process()  # first: the rest of start-up runs beside its load
+        import uvicorn  # noqa: F401
+
+        from pagedllm.server.app import build_app
+
         engine.tokenizer = _tokenizer(spec, config, log)
         workers = _tokenize_pool(engine.tokenizer, args.tokenizer_workers, log)
+        log(f"HTTP side ready after {time.perf_counter() - t0:.1f} s")
         ready = engine.wait_ready()
         _check_vocab(engine.tokenizer, ready.vocab_size, log)
     except BaseException as e:  # Ctrl-C while loading too: the core must not outlive us
@@ -222,10 +227,15 @@ def serve_main(argv: list[str]) -> int:
         if workers is not None:
             workers.shutdown()
         sock.close()
+        if isinstance(e, ImportError):
+            return error(PROG, f"{e}; {install}")
         if isinstance(e, (ValueError, FileNotFoundError, OSError)):
             return error(PROG, e)
         raise
-    log(f"engine core ready in {ready.load_time_s:.1f} s (pid {engine.process.pid})")
+    log(
+        f"engine core ready after {time.perf_counter() - t0:.1f} s "
+        f"(model loaded in {ready.load_time_s:.1f} s; pid {engine.process.pid})"
+    )
     name = args.served_model_name or _model_name(ready.model_path, spec)
     app = build_app(
         engine,

@@ -151,6 +151,7 @@ class EngineCoreClient:
             output_address=f"ipc://{self._dir}/out",
             parent_pid=os.getpid(),
             switch_interval_s=self.switch_interval_s,
+            started_at=time.time(),
         )
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
         # Not a daemon: with tensor parallelism the core starts worker processes.
