@@ -31,9 +31,10 @@ OUT=$OUT/ours DEADLINE="${OURS_DEADLINE:-170}" PORT=8101 LABEL=pagedllm \
     SERVER_CMD="PYTHONPATH=$ROOT/src:/tmp/vllm_site python3 -m pagedllm serve --model \$MODEL \
 --load-format dummy --device cuda --dtype bfloat16 --served-model-name \$MODEL --port \$PORT \
 ${EXTRA:-}" bash $KIT/serve.sh 2>&1 | tail -n 6
-grep -aE "engine core ready|KV cache" "$OUT/ours/server.log" | head -3
+grep -aE "\[serve\]|\[core\]" "$OUT/ours/server.log" | head -8
 if [ "${SKIP_OFFLINE:-0}" != "1" ]; then
     PYTHONPATH=$ROOT/src:/tmp/vllm_site python3 -m pagedllm bench throughput \
         --model /tmp/llama"$MODEL_SHAPE" --load-format dummy --device cuda --dtype bfloat16 \
-        --peer none --num-requests 200 --prompt-len 512 --output-len 128 2>&1 | grep -v '^{' | tail -n 5
+        --peer none --num-requests 200 --prompt-len 512 --output-len 128 2>&1 |
+        grep -E "output tokens/s|wall time|first token|per output"
 fi

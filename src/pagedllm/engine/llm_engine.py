@@ -186,7 +186,13 @@ class LLMEngine:
                 ops_mode=config.ops_mode(),
                 max_num_batched_tokens=config.max_num_batched_tokens,
             )
+            t_runner = time.perf_counter()
             self.runner = ModelRunner(model, workers=self.workers, **runner_settings)
+            if self.runner.graphs is not None:  # the start-up's longest part on a GPU
+                log(
+                    f"KV pool and CUDA graphs ready in {time.perf_counter() - t_runner:.1f} s "
+                    f"(Triton compiles on first launch)"
+                )
             if self.workers is not None:
                 self.workers.send(("runner", runner_settings))  # each builds the same runner
         except BaseException:

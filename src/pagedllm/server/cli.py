@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=whole_number,
         metavar="N",
         help="processes that tokenize long prompts, so that many at once do not queue "
-        "on the HTTP process (default: half the cores beyond 2, at most 4; 0: none)",
+        "on the HTTP process (default: half the cores beyond 2, at most 8; 0: none)",
     )
     g.add_argument(
         "--access-log",
@@ -284,12 +284,12 @@ def _exit(server: Any) -> None:
 def _tokenize_pool(tokenizer: Any, workers: int | None, log: Any) -> Any:
     """Started tokenizer processes (tokenize_pool.py), or None: none asked for,
     or no tokenizer. Default: half the usable cores beyond two (one for this
-    process, one for the engine core), at most 4."""
+    process, one for the engine core), at most 8."""
     from pagedllm.cpu_threads import usable_cores
     from pagedllm.server.tokenize_pool import TokenizePool
 
     if workers is None:
-        workers = min(4, max(0, (usable_cores() - 2) // 2))
+        workers = min(8, max(0, (usable_cores() - 2) // 2))
     if tokenizer is None or workers == 0:
         return None
     pool = TokenizePool(tokenizer, workers)

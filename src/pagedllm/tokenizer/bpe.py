@@ -97,22 +97,26 @@ class BytePairEncoder:
         nxt = list(range(1, n + 1))
         nxt[-1] = -1
         prv = list(range(-1, n - 1))
+        # (rank, left position, left symbol, right symbol): the pair's strings
+        # ride along, so a stale entry is told by identity, with no lookup.
         heap = []
         for i in range(n - 1):
-            rank = ranks.get((symbols[i], symbols[i + 1]))
+            left, right = symbols[i], symbols[i + 1]
+            rank = ranks.get((left, right))
             if rank is not None:
-                heap.append((rank, i))
+                heap.append((rank, i, left, right))
         heapq.heapify(heap)
-        alive = [True] * n
+        pop, push = heapq.heappop, heapq.heappush
         while heap:
-            rank, i = heapq.heappop(heap)
+            rank, i, left, right = pop(heap)
             j = nxt[i]
-            # Stale: the left symbol was absorbed, or the pair changed since the push.
-            if not alive[i] or j == -1 or ranks.get((symbols[i], symbols[j])) != rank:
+            # Stale: the left symbol was absorbed or grew, or the right one changed
+            # since the push (a merged symbol is a new string object).
+            if j == -1 or symbols[i] is not left or symbols[j] is not right:
                 continue
             # Merge j into i and unlink j.
-            symbols[i] += symbols[j]
-            alive[j] = False
+            merged = symbols[i] = left + right
+            symbols[j] = None
             k = nxt[j]
             nxt[i] = k
             if k != -1:
@@ -120,14 +124,16 @@ class BytePairEncoder:
             # The merged symbol forms new pairs with both neighbours.
             p = prv[i]
             if p != -1:
-                r = ranks.get((symbols[p], symbols[i]))
+                before = symbols[p]
+                r = ranks.get((before, merged))
                 if r is not None:
-                    heapq.heappush(heap, (r, p))
+                    push(heap, (r, p, before, merged))
             if k != -1:
-                r = ranks.get((symbols[i], symbols[k]))
+                after = symbols[k]
+                r = ranks.get((merged, after))
                 if r is not None:
-                    heapq.heappush(heap, (r, i))
-        return [s for s, live in zip(symbols, alive) if live]
+                    push(heap, (r, i, merged, after))
+        return [s for s in symbols if s is not None]
 
 
 class _PieceCache(dict):
