@@ -133,14 +133,18 @@ def tiny_dir(tmp_path_factory):
 
 
 def serve(args: list[str]) -> subprocess.Popen:
+    """`pagedllm serve` in a process group of its own (with its engine core)."""
     cmd = [sys.executable, "-m", "pagedllm", "serve", *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def test_sigterm_ends_requests_in_flight_cleanly_and_exits_0(tiny_dir):
-    """The command itself: SIGTERM with a stream and a plain request in flight
-    and --shutdown-timeout 1: the stream gets an error event and [DONE], the
-    plain one a 503; exit 0, no traceback, no "client closed"."""
+    """The command itself: SIGTERM (to its process group) with a stream and a
+    plain request in flight and --shutdown-timeout 1: the stream gets an error
+    event and [DONE], the plain one a 503; exit 0, no traceback, no "client
+    closed"."""
     port = free_port()
     proc = serve(["--port", str(port), "--model", str(tiny_dir), "--shutdown-timeout", "1"])
     pool = concurrent.futures.ThreadPoolExecutor(1)
@@ -152,7 +156,9 @@ def test_sigterm_ends_requests_in_flight_cleanly_and_exits_0(tiny_dir):
         client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
         plain = pool.submit(client.completions.create, **long, extra_body={"ignore_eos": True})
         wait_for(lambda: "pagedllm_requests_running 2.0" in _get(url + "/metrics"), "both run")
-        proc.send_signal(signal.SIGTERM)
+        # To the whole group, as `timeout` or a service manager sends it: the engine
+        # core gets it too, and must leave the stopping to the HTTP process.
+        os.killpg(proc.pid, signal.SIGTERM)
         rest = events(stream)
         with pytest.raises(openai.InternalServerError) as refused:
             plain.result(timeout=30)

@@ -41,8 +41,10 @@ def served(smollm2):
     from pagedllm.tokenizer import Tokenizer
 
     tok = Tokenizer.from_model_path(smollm2.source_path)
-    pool = CountingPool(tok, 1)
+    pool = CountingPool(tok, 2)
     pool.start()
+    # Every worker is up before the first request: none is started mid-burst.
+    assert pool.num_processes == 2
     s = Server(smollm2, app_options={"tokenize_workers": pool})
     yield s, tok, pool
     s.stop()

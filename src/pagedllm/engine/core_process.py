@@ -139,9 +139,12 @@ def run_engine_core(setup: CoreSetup) -> None:
     Shutdown, 1 after a failure (reported first as `Failed`)."""
     import zmq
 
-    # Ctrl-C in a terminal reaches the whole process group: the HTTP process
-    # decides how to stop (gracefully), then sends Shutdown.
+    # Ctrl-C in a terminal, and a SIGTERM sent to the process group (`timeout`,
+    # a service manager), reach this process too: the HTTP process decides how
+    # to stop (gracefully), then sends Shutdown. If it dies instead, so does
+    # this process (_die_with_parent).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent()
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)

@@ -207,10 +207,7 @@ class EngineCoreClient:
             except zmq.ZMQError:
                 pass
             self.process.join(timeout_s)
-            if self.process.is_alive():
-                self.process.terminate()
-                self.process.join(5)
-            if self.process.is_alive():
+            if self.process.is_alive():  # stuck (it ignores SIGTERM: core_process.py)
                 self.process.kill()
                 self.process.join()
         self._close()

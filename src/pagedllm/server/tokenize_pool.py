@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import multiprocessing
+import os
+import time
 from typing import Any
 
 # Texts shorter than this are encoded in place: a round trip to a worker costs
@@ -33,8 +35,10 @@ def _init(tokenizer: Any) -> None:
     _tokenizer = tokenizer
 
 
-def _ready() -> bool:
-    return _tokenizer is not None
+def _started(hold_s: float) -> int:
+    """This worker's pid, after holding it busy for `hold_s` (see `start`)."""
+    time.sleep(hold_s)
+    return os.getpid()
 
 
 def _encode_many(texts: list[str], add_special_tokens: bool) -> list[list[int]]:
@@ -63,10 +67,21 @@ class TokenizePool:
         )
 
     def start(self) -> None:
-        """Start every worker now (they load while the engine core does), not at
-        the first request."""
-        for f in [self._executor.submit(_ready) for _ in range(self.workers)]:
-            f.result()
+        """Start every worker now, while the engine core loads, not at the first
+        requests. The executor starts a process only when a task finds no idle
+        one, and starting one blocks the caller while the tokenizer (megabytes)
+        is written to it: on the event loop, in a burst, that held every request
+        back for a second or two (H200, 7 workers). So tasks that keep their
+        worker busy are sent until every worker has answered."""
+        pids: set[int] = set()
+        while len(pids) < self.workers:
+            tasks = [self._executor.submit(_started, 0.2) for _ in range(self.workers)]
+            pids.update(t.result() for t in tasks)
+
+    @property
+    def num_processes(self) -> int:
+        """Worker processes alive now."""
+        return sum(p.is_alive() for p in self._executor._processes.values())
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         loop = asyncio.get_running_loop()
