@@ -529,3 +529,16 @@ def test_bench_serve_with_client_processes(capsys):
     (run,) = record["runs"]
     assert (run["completed"], run["failed"]) == (5, 0)
     assert run["output_tokens"] == sum(draw_throughput(5, None, 30).max_tokens)
+
+
+def test_json_that_is_not_a_bench_record_is_refused_before_the_run(tmp_path, capsys):
+    """bench serve checks --json as the other workloads do: before it sends anything
+    (no server is running here: the refusal comes first), and the file keeps its bytes."""
+    from pagedllm.bench.serve_bench import main as serve_main
+
+    path = tmp_path / "notes.json"
+    path.write_text('{"my": "notes"}')
+    argv = ["--base-url", "http://127.0.0.1:9", "--json", str(path)]
+    assert serve_main(argv) == 2
+    assert "not a pagedllm bench record" in capsys.readouterr().err
+    assert path.read_text() == '{"my": "notes"}'

@@ -1239,8 +1239,11 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-        if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-            parser.error(f"--json {args.json}: no such directory")
+        if args.json:
+            try:  # before the run: a file that is not a bench record is never lost
+                report.check_json_path(args.json)
+            except ValueError as e:
+                parser.error(str(e))
     except SystemExit as e:  # --help (0) or a usage error (2)
         return int(e.code or 0)
     try:

@@ -148,8 +148,10 @@ def run_engine_core(setup: CoreSetup) -> None:
     _die_with_parent()
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
+    inputs.setsockopt(zmq.RCVHWM, 0)  # no limit: see EngineCoreClient
     inputs.connect(setup.input_address)
     outputs = ctx.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.SNDHWM, 0)  # a slow reader never blocks a step
     outputs.setsockopt(zmq.LINGER, 5000)
     outputs.connect(setup.output_address)
     encoder = msgspec.msgpack.Encoder()

@@ -127,8 +127,12 @@ class EngineCoreClient:
         self._dir = tempfile.mkdtemp(prefix="pagedllm-core-")
         self._ctx = zmq.Context()
         self._to_core = self._ctx.socket(zmq.PUSH)
+        # No high-water mark: a burst of a thousand adds within one long step
+        # must queue, not fail (messages are small; the core drains each step).
+        self._to_core.setsockopt(zmq.SNDHWM, 0)
         self._to_core.bind(f"ipc://{self._dir}/in")
         self._from_core = self._ctx.socket(zmq.PULL)
+        self._from_core.setsockopt(zmq.RCVHWM, 0)
         self._from_core.bind(f"ipc://{self._dir}/out")
         self._async_from_core: Any = None
         self._reader: asyncio.Task | None = None
@@ -200,7 +204,7 @@ class EngineCoreClient:
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Ask the core to stop (it aborts what is left and frees its pages), then
-        make sure it has: terminate, kill. Idempotent."""
+        make sure it has (SIGKILL after `timeout_s`). Idempotent."""
         if self.process is not None and self.process.is_alive():
             try:
                 self._to_core.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
@@ -304,6 +308,14 @@ class EngineCoreClient:
 
     # ------------------------------------------------------------ reading
     async def _read(self) -> None:
+        try:
+            await self._read_messages()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug here would leave every handler waiting
+            self._died(f"the server could not read the engine core's messages: {e!r}")
+
+    async def _read_messages(self) -> None:
         sock = self._async_from_core
         while True:
             frames = [await sock.recv()]
