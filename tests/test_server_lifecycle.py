@@ -12,6 +12,7 @@ itself on a tiny random model directory (tiny_models).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import logging
@@ -140,38 +141,52 @@ def serve(args: list[str]) -> subprocess.Popen:
     )
 
 
+@contextlib.contextmanager
+def two_requests_in_flight(tiny_dir, *args: str):
+    """`pagedllm serve` on the tiny model with a stream and a plain request
+    running (8,000 tokens each). Yields a dict: `proc`, `url`, `stream` (its
+    response) and `plain` (the plain request's future); once the server has
+    exited, `output` holds what it printed."""
+    port = free_port()
+    proc = serve(["--port", str(port), "--model", str(tiny_dir), *args])
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    run: dict = {"proc": proc, "url": f"http://127.0.0.1:{port}"}
+    try:
+        url = run["url"]
+        wait_for(lambda: _healthy(url, proc), "serve came up", timeout=60)
+        long = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8000}
+        conn, run["stream"] = open_stream(port, {**long, "ignore_eos": True})
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+        run["plain"] = pool.submit(
+            client.completions.create, **long, extra_body={"ignore_eos": True}
+        )
+        wait_for(lambda: "pagedllm_requests_running 2.0" in _get(url + "/metrics"), "both run")
+        yield run
+        conn.close()
+    finally:
+        pool.shutdown()
+        try:
+            run["output"] = proc.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            run["output"] = proc.communicate()[0]
+
+
 def test_sigterm_ends_requests_in_flight_cleanly_and_exits_0(tiny_dir):
     """The command itself: SIGTERM (to its process group) with a stream and a
     plain request in flight and --shutdown-timeout 1: the stream gets an error
     event and [DONE], the plain one a 503; exit 0, no traceback, no "client
     closed"."""
-    port = free_port()
-    proc = serve(["--port", str(port), "--model", str(tiny_dir), "--shutdown-timeout", "1"])
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _healthy(url, proc), "serve came up", timeout=60)
-        long = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8000}
-        conn, stream = open_stream(port, {**long, "ignore_eos": True})
-        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
-        plain = pool.submit(client.completions.create, **long, extra_body={"ignore_eos": True})
-        wait_for(lambda: "pagedllm_requests_running 2.0" in _get(url + "/metrics"), "both run")
+    with two_requests_in_flight(tiny_dir, "--shutdown-timeout", "1") as run:
         # To the whole group, as `timeout` or a service manager sends it: the engine
         # core gets it too, and must leave the stopping to the HTTP process.
-        os.killpg(proc.pid, signal.SIGTERM)
-        rest = events(stream)
+        os.killpg(run["proc"].pid, signal.SIGTERM)
+        rest = events(run["stream"])
         with pytest.raises(openai.InternalServerError) as refused:
-            plain.result(timeout=30)
+            run["plain"].result(timeout=30)
         assert_ended_cleanly(rest, refused)
-        conn.close()
-    finally:
-        pool.shutdown()
-        try:
-            output = proc.communicate(timeout=30)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            output = proc.communicate()[0]
-    assert proc.returncode == 0, output
+    output = run["output"]
+    assert run["proc"].returncode == 0, output
     assert "Traceback" not in output and "client closed" not in output, output
     posts = [line for line in output.splitlines() if '"POST /v1/completions"' in line]
     assert len(posts) == 2 and all(line.endswith(" ended at shutdown") for line in posts), output
@@ -181,39 +196,21 @@ def test_a_killed_engine_core_ends_every_request_and_the_server_exits_1(tiny_dir
     """kill -9 of the engine-core process: /health answers 503 naming the cause
     within a second, a stream in flight gets an error event and [DONE], a plain
     request a 503 in OpenAI's shape, and `pagedllm serve` exits 1 with one line."""
-    port = free_port()
-    proc = serve(["--port", str(port), "--model", str(tiny_dir)])
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _healthy(url, proc), "serve came up", timeout=60)
-        long = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8000}
-        conn, stream = open_stream(port, {**long, "ignore_eos": True})
-        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
-        plain = pool.submit(client.completions.create, **long, extra_body={"ignore_eos": True})
-        wait_for(lambda: "pagedllm_requests_running 2.0" in _get(url + "/metrics"), "both run")
-        core = _core_pid(proc.pid)
-        os.kill(core, signal.SIGKILL)
+    with two_requests_in_flight(tiny_dir) as run:
+        os.kill(_core_pid(run["proc"].pid), signal.SIGKILL)
         t0 = time.time()
         with pytest.raises(urllib.error.HTTPError) as health:
-            wait_for(lambda: _get(url + "/health") is None, "health stays 200", timeout=1)
+            wait_for(lambda: _get(run["url"] + "/health") is None, "health stays 200", timeout=1)
         assert time.time() - t0 < 1.0 and health.value.code == 503
         assert "killed by SIGKILL" in health.value.read().decode()
-        rest = events(stream)
+        rest = events(run["stream"])
         assert rest[-1] == "[DONE]"
         assert "killed by SIGKILL" in json.loads(rest[-2])["error"]["message"]
         with pytest.raises(openai.APIStatusError) as refused:
-            plain.result(timeout=30)
+            run["plain"].result(timeout=30)
         assert refused.value.status_code == 503 and refused.value.body["type"] == "server_error"
-        conn.close()
-    finally:
-        pool.shutdown()
-        try:
-            output = proc.communicate(timeout=30)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            output = proc.communicate()[0]
-    assert proc.returncode == 1, output
+    output = run["output"]
+    assert run["proc"].returncode == 1, output
     assert output.rstrip().splitlines()[-1] == (
         "pagedllm serve: error: the engine core stopped: the engine core was killed by SIGKILL"
     )
