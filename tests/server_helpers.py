@@ -8,14 +8,15 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from pathlib import Path
 
 import openai
 
+from pagedllm.engine.llm_engine import load_model_tokenizer
 from pagedllm.engine_config import EngineConfig
 from pagedllm.server.app import build_app
 from pagedllm.server.cli import make_server
 from pagedllm.server.core_client import EngineCoreClient
-from pagedllm.tokenizer import Tokenizer
 
 MODEL = "smollm2-test"
 
@@ -24,15 +25,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _tokenizer(path: str):
-    """The model's own tokenizer, or None (a directory without tokenizer.json)."""
-    from pathlib import Path
-
-    if Path(path).is_dir() and not (Path(path) / "tokenizer.json").is_file():
-        return None
-    return Tokenizer.from_model_path(path)
 
 
 class Server:
@@ -56,7 +48,9 @@ class Server:
         config = EngineConfig(
             kv_cache_mib=kv_cache_mib, admission="optimistic", model=path, **settings
         )
-        self.engine = EngineCoreClient(config, tokenizer=_tokenizer(path))
+        self.engine = EngineCoreClient(
+            config, tokenizer=load_model_tokenizer(Path(path), log=lambda m: None)
+        )
         self.engine.start(timeout_s=120)
         self.app = build_app(
             self.engine,

@@ -130,7 +130,6 @@ class CoreSetup:
     input_address: str = ""  # the HTTP process binds both; the core connects
     output_address: str = ""
     parent_pid: int = 0
-    switch_interval_s: float | None = None
     started_at: float = 0.0  # time.time() when the HTTP process spawned us (start-up log)
 
 
@@ -200,9 +199,6 @@ def _build_engine(setup: CoreSetup):
 
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.model_source import load_tokenizer
-
-    if setup.switch_interval_s is not None:
-        sys.setswitchinterval(setup.switch_interval_s)
 
     def log(message: str) -> None:
         print(f"[core] {message}", file=sys.stderr, flush=True)

@@ -130,13 +130,13 @@ class LLMEngine:
                 config, model, max_positions, None if self.workers is None else self.workers.tp
             )
             if tokenizer is None and model.source_path is not None:
-                tokenizer = _load_tokenizer(model.source_path, log)
+                tokenizer = load_model_tokenizer(model.source_path, log)
             self.model = model
             self.tokenizer = tokenizer
             self.load_time_s = time.perf_counter() - t0
             mc = model.config
             if tokenizer is not None:
-                _check_vocab_sizes(mc.vocab_size, tokenizer.vocab_size, log)
+                check_vocab_sizes(mc.vocab_size, tokenizer.vocab_size, log)
             # The positions the model was loaded for: its own limit, or fewer when it
             # was loaded with a smaller max_model_len (its RoPE table ends there).
             positions = min(mc.max_position_embeddings, model.max_positions)
@@ -669,7 +669,7 @@ def _check_params(params: Any, rid: int) -> SamplingParams:
         raise RequestRejected(f"request {rid}: {e}") from None
 
 
-def _check_vocab_sizes(model_vocab: int, tokenizer_vocab: int, log) -> None:
+def check_vocab_sizes(model_vocab: int, tokenizer_vocab: int, log) -> None:
     """The tokenizer may know fewer ids than the model has embedding rows (rows
     padded to a round number); never more, or text could encode to ids the
     model cannot embed."""
@@ -685,8 +685,9 @@ def _check_vocab_sizes(model_vocab: int, tokenizer_vocab: int, log) -> None:
         )
 
 
-def _load_tokenizer(model_path, log) -> Tokenizer | None:
-    """The model's tokenizer, or None (token-id prompts only) when it ships none."""
+def load_model_tokenizer(model_path, log) -> Tokenizer | None:
+    """The model's tokenizer, or None (token-id prompts only) when it ships none.
+    (The server's HTTP process loads it too, for its own text work.)"""
     if model_path.is_dir() and not (model_path / "tokenizer.json").is_file():
         log(f"{model_path} has no tokenizer.json: prompts must be token ids")
         return None

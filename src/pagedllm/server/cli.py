@@ -221,7 +221,7 @@ def serve_main(argv: list[str]) -> int:
         workers = _tokenize_pool(engine.tokenizer, args.tokenizer_workers, log)
         log(f"HTTP side ready after {time.perf_counter() - t0:.1f} s")
         ready = engine.wait_ready()
-        _check_vocab(engine.tokenizer, ready.vocab_size, log)
+        _check_vocab(engine.tokenizer, ready.vocab_size)
     except BaseException as e:  # Ctrl-C while loading too: the core must not outlive us
         engine.shutdown()
         if workers is not None:
@@ -300,26 +300,23 @@ def _tokenize_pool(tokenizer: Any, workers: int | None, log: Any) -> Any:
 
 def _tokenizer(spec: ModelSpec, config: Any, log: Any) -> Any:
     """This process's tokenizer: the one `spec` asks for, else the model's own
-    (None: token-id prompts only)."""
+    (None: token-id prompts only), as the engine core finds it."""
+    from pagedllm.engine.llm_engine import load_model_tokenizer
     from pagedllm.resolve import resolve_model_path
-    from pagedllm.tokenizer import Tokenizer
 
     tok = load_tokenizer(spec, log)
     if tok is not None or spec.load_format == "dummy":
         return tok
-    path = resolve_model_path(config.replace(**engine_model(spec)).model)
-    if path.is_dir() and not (path / "tokenizer.json").is_file():
-        log(f"{path} has no tokenizer.json: prompts must be token ids")
-        return None
-    return Tokenizer.from_model_path(path)
+    return load_model_tokenizer(resolve_model_path(config.replace(**engine_model(spec)).model), log)
 
 
-def _check_vocab(tokenizer: Any, model_vocab: int, log: Any) -> None:
-    if tokenizer is None:
-        return
-    from pagedllm.engine.llm_engine import _check_vocab_sizes
+def _check_vocab(tokenizer: Any, model_vocab: int) -> None:
+    """A tokenizer with ids the model cannot embed is refused (ValueError); the
+    core has logged the other case."""
+    from pagedllm.engine.llm_engine import check_vocab_sizes
 
-    _check_vocab_sizes(model_vocab, tokenizer.vocab_size, lambda m: None)
+    if tokenizer is not None:
+        check_vocab_sizes(model_vocab, tokenizer.vocab_size, lambda m: None)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

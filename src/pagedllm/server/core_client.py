@@ -108,14 +108,10 @@ class EngineCoreClient:
         config: Any,
         tokenizer_spec: Any = None,
         tokenizer: Any = None,
-        log: Callable[[str], None] = lambda m: None,
-        switch_interval_s: float | None = None,
     ) -> None:
         self.config = config
         self.tokenizer_spec = tokenizer_spec
         self.tokenizer = tokenizer
-        self.log = log
-        self.switch_interval_s = switch_interval_s
         self.ready: Ready | None = None
         self.error: str | None = None  # why the core stopped, once it did
         self.gauges: Gauges | None = None
@@ -154,7 +150,6 @@ class EngineCoreClient:
             input_address=f"ipc://{self._dir}/in",
             output_address=f"ipc://{self._dir}/out",
             parent_pid=os.getpid(),
-            switch_interval_s=self.switch_interval_s,
             started_at=time.time(),
         )
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
