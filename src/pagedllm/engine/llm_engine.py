@@ -189,9 +189,11 @@ class LLMEngine:
             t_runner = time.perf_counter()
             self.runner = ModelRunner(model, workers=self.workers, **runner_settings)
             if self.runner.graphs is not None:  # the start-up's longest part on a GPU
+                prefill = self.runner.prefill_graphs.timings
                 log(
                     f"KV pool and CUDA graphs ready in {time.perf_counter() - t_runner:.1f} s "
-                    f"(Triton compiles on first launch)"
+                    f"(Triton compiles on first launch): decode {self.runner.graphs.timings}"
+                    + ("" if prefill is None else f"; prefill {prefill}")
                 )
             if self.workers is not None:
                 self.workers.send(("runner", runner_settings))  # each builds the same runner

@@ -21,7 +21,9 @@ batch uses are refreshed each step (the rest are never read).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -55,6 +57,18 @@ class CopyFence:
             self._event.record()
 
 
+@dataclass(frozen=True)
+class CaptureTimings:
+    """Where a set of graphs' start-up time went (the start-up log prints it)."""
+
+    num_graphs: int
+    eager_s: float  # every bucket once, eagerly: Triton compiles each new variant here
+    capture_s: float
+
+    def __str__(self) -> str:
+        return f"{self.num_graphs} graphs: eager runs {self.eager_s:.1f} s + capture {self.capture_s:.1f} s"
+
+
 def capture_graphs(
     buckets: list[int],
     forward: Callable[[int], torch.Tensor],
@@ -67,11 +81,13 @@ def capture_graphs(
     `warm_up(bucket)` if given (kernels that other steps launch in another
     variant); then the largest is captured first, so the smaller ones reuse its
     memory pool."""
+    t0 = time.perf_counter()
     for b in buckets:
         forward(b)
         if warm_up is not None:
             warm_up(b)
     torch.cuda.synchronize()
+    t1 = time.perf_counter()
     graphs: dict[int, torch.cuda.CUDAGraph] = {}
     outputs: dict[int, torch.Tensor] = {}
     pool = None
@@ -83,7 +99,8 @@ def capture_graphs(
             pool = graph.pool()
         graphs[b] = graph
     torch.cuda.synchronize()
-    return graphs, outputs
+    timings = CaptureTimings(len(buckets), t1 - t0, time.perf_counter() - t1)
+    return graphs, outputs, timings
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -170,7 +187,7 @@ class DecodeGraphs:
             finally:
                 model.chain_batched_decode = True
 
-        self.graphs, self.outputs = capture_graphs(self.buckets, forward, unchained)
+        self.graphs, self.outputs, self.timings = capture_graphs(self.buckets, forward, unchained)
         self.seq_lens.zero_()
 
     def can_run(self, num_seqs: int) -> bool:
@@ -278,6 +295,7 @@ class PrefillGraphs:
         self.block_tables = self.d_i32[4:].view(1, width)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.timings: CaptureTimings | None = None
         if self.buckets:
             self._capture(model)
 
@@ -309,7 +327,9 @@ class PrefillGraphs:
         m, i = self.max_tokens, self.i32_at
         self.d_in[2 * m : 3 * m].fill_(-1)  # store nothing while capturing
         self.d_in[i : i + 3].copy_(torch.tensor([0, 1, 1]))  # cu_seqlens, seq_len
-        self.graphs, self.outputs = capture_graphs(self.buckets, lambda t: self._forward(model, t))
+        self.graphs, self.outputs, self.timings = capture_graphs(
+            self.buckets, lambda t: self._forward(model, t)
+        )
 
     def can_run(self, host: HostBatch) -> bool:
         """A prefill step of one sequence that fits a bucket and wants one logits row."""
