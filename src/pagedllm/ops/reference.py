@@ -188,11 +188,27 @@ def store_kvcache(
     v_cache.view(nb * bs, hkv, d)[slot_mapping] = to_cache_dtype(v, v_cache.dtype)
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
-    """The first n tokens of one sequence from its pages: (n, Hkv, D)."""
+def _gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, n: int, lo: int = 0
+) -> torch.Tensor:
+    """Tokens lo..n-1 of one sequence from its pages: (n - lo, Hkv, D). Only the
+    pages holding them are read (a sliding window needs the last few)."""
     bs = cache.shape[1]
-    pages = block_table[: (n + bs - 1) // bs].long()
-    return cache[pages].flatten(0, 1)[:n]
+    first = lo // bs
+    pages = block_table[first : (n + bs - 1) // bs].long()
+    return cache[pages].flatten(0, 1)[lo - first * bs : n - first * bs]
+
+
+# Sliding-window attention (Mistral, Gemma 3's local layers, Qwen2 when its config
+# sets one): with window W > 0, the query at position p sees the keys at positions
+# j with p - W < j <= p, W keys counting its own. This is transformers' mask,
+# `masking_utils.sliding_window_causal_mask_function`: `kv_idx > q_idx -
+# sliding_window` and `kv_idx <= q_idx`. W = 0 is plain causal attention.
+
+
+def _check_window(window: int) -> None:
+    if window < 0:
+        raise ValueError(f"attention window {window}: must be >= 0 (0: no window)")
 
 
 def prefill_attention(
@@ -206,6 +222,8 @@ def prefill_attention(
     v_cache: torch.Tensor | None = None,
     block_tables: torch.Tensor | None = None,
     max_q_len: int | None = None,
+    *,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal GQA attention over a packed batch of variable-length sequences.
 
@@ -218,8 +236,11 @@ def prefill_attention(
     at 0 nor cover q: rows outside every sequence are left unwritten (a mixed
     step passes its prompt sequences only; `model/llama.py`). `max_q_len` is a
     host-side hint for kernels that size their grid with it; the reference
-    ignores it.
+    ignores it. `window` > 0: each token sees only the last `window` positions
+    up to its own (a sliding window, see above); the prefix pages wholly before
+    the first new token's window are not read.
     """
+    _check_window(window)
     out = torch.empty_like(q)
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_heads // num_kv_heads
@@ -229,23 +250,29 @@ def prefill_attention(
         start, end = cu[b], cu[b + 1]
         q_len, seq_len = end - start, lens[b]
         ctx_len = seq_len - q_len
+        # The first key any new token sees: the first new token's window start
+        # (never past ctx_len, the first new token's own position).
+        lo = max(0, ctx_len - window + 1) if window else 0
         kb, vb = k[start:end], v[start:end]
-        if ctx_len > 0:
+        if ctx_len > lo:
             assert k_cache is not None and v_cache is not None and block_tables is not None
-            kb = torch.cat([_gather_context(k_cache, block_tables[b], ctx_len).to(k.dtype), kb])
-            vb = torch.cat([_gather_context(v_cache, block_tables[b], ctx_len).to(v.dtype), vb])
+            kc = _gather_context(k_cache, block_tables[b], ctx_len, lo)
+            vc = _gather_context(v_cache, block_tables[b], ctx_len, lo)
+            kb, vb = torch.cat([kc.to(k.dtype), kb]), torch.cat([vc.to(v.dtype), vb])
         qf = q[start:end].float().transpose(0, 1)  # (H, q_len, D)
         kf = kb.float().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, seq_len, D)
         vf = vb.float().repeat_interleave(group, dim=1).transpose(0, 1)
         # softmax(q k^T * scale, causally masked) @ v, computed by PyTorch's fused SDPA
         # (given 4-D inputs: with 3-D ones it falls back to a path 4x slower on the CPU).
         qf, kf, vf = qf[None], kf[None], vf[None]  # (1, H, n, D)
-        if ctx_len == 0:  # no cached prefix: plain causal (SDPA's flash path)
+        if ctx_len == 0 and not window:  # no cached prefix: plain causal (SDPA's flash path)
             o = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale)
         else:
             q_pos = torch.arange(ctx_len, seq_len, device=q.device)[:, None]
-            k_pos = torch.arange(seq_len, device=q.device)[None, :]
-            allowed = k_pos <= q_pos  # (q_len, seq_len): causal, shifted by the prefix
+            k_pos = torch.arange(lo, seq_len, device=q.device)[None, :]
+            allowed = k_pos <= q_pos  # (q_len, seq_len - lo): causal, shifted by the prefix
+            if window:
+                allowed &= k_pos > q_pos - window
             o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=allowed, scale=scale)
         out[start:end] = o[0].transpose(0, 1).to(q.dtype)
     return out
@@ -261,6 +288,7 @@ def decode_attention(
     max_seq_len: int | None = None,
     *,
     order: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """One new token per sequence attends to its whole context, read page by page.
 
@@ -274,9 +302,13 @@ def decode_attention(
     which a parallel implementation should start the sequences (the runner
     passes them longest context first, so a ragged batch's long ones do not
     start last). It never changes the result; here it is only checked.
+    `window` > 0: the token at position seq_len - 1 sees only the last `window`
+    positions (a sliding window, see above); pages before every sequence's
+    window are not read.
     """
     if order is not None and order.shape != seq_lens.shape:
         raise ValueError(f"order has shape {tuple(order.shape)}; seq_lens {tuple(seq_lens.shape)}")
+    _check_window(window)
     batch, num_heads, head_dim = q.shape
     bs, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -284,6 +316,9 @@ def decode_attention(
     max_pages = min(-(-longest // bs), block_tables.shape[1])
     qf = q.float().view(batch, num_kv_heads, group, head_dim)  # (B, Hkv, G, D)
     lens = seq_lens.long()[:, None]  # (B, 1)
+    # A window's first visible position per sequence, and the first page any reads.
+    lows = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
+    first_page = int(lows.min()) // bs if window and batch else 0
 
     def gather(p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """K, V (B, Hkv, n, D) of pages p0..p1 and which of their n tokens are valid."""
@@ -295,16 +330,17 @@ def decode_attention(
         kp = k_cache.index_select(0, pages).float().view(batch, n, num_kv_heads, head_dim)
         vp = v_cache.index_select(0, pages).float().view(batch, n, num_kv_heads, head_dim)
         kp, vp = kp.transpose(1, 2), vp.transpose(1, 2)  # (B, Hkv, n, D)
-        valid = (p0 * bs + torch.arange(n, device=q.device)[None, :]) < lens  # (B, n)
+        pos = p0 * bs + torch.arange(n, device=q.device)[None, :]
+        valid = (pos < lens) & (pos >= lows)  # (B, n)
         return kp, vp, valid
 
     chunk_tokens = min(4096, max(256, DECODE_CHUNK_ELEMENTS // (batch * num_kv_heads * head_dim)))
     step = max(1, chunk_tokens // bs)  # pages per chunk
-    if max_pages <= step:
+    if max_pages - first_page <= step:
         # The whole context is one chunk, where the online softmax is a plain softmax:
         # one fused SDPA call (the common case on the CPU, where every PyTorch op
         # costs ~10 us of overhead: this took SmolLM2's batch-1 step from 41 to 36 ms).
-        kp, vp, valid = gather(0, max_pages)
+        kp, vp, valid = gather(first_page, max(first_page, max_pages))
         out = F.scaled_dot_product_attention(
             qf, kp, vp, attn_mask=valid[:, None, None, :], scale=scale
         ).nan_to_num(0.0)  # a seq_len 0 row (nothing valid) comes out as zeros
@@ -314,7 +350,7 @@ def decode_attention(
     acc = torch.zeros((batch, num_kv_heads, group, head_dim), device=q.device)
     # All sequences advance together, a chunk of pages at a time: the same online
     # softmax as one page at a time, with fewer, larger PyTorch ops.
-    for p0 in range(0, max_pages, step):
+    for p0 in range(first_page, max_pages, step):
         kp, vp, valid = gather(p0, min(p0 + step, max_pages))
         s = (qf @ kp.transpose(-1, -2)) * scale  # (B, Hkv, G, n)
         s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
@@ -343,11 +379,16 @@ def rope_store_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     max_seq_len: int | None = None,
+    *,
+    window: int = 0,
 ) -> torch.Tensor:
     """A decode step's attention from its q (B, H, D), k, v (B, Hkv, D) before RoPE:
-    `rope_and_store` (the new K/V go to their slots), then `decode_attention`.
-    Returns (B, H, D). The Triton kernel does all of it in one launch and leaves q
-    and k unrotated; here they may be rotated in place or not (callers must not
-    read them after)."""
+    `rope_and_store` (the new K/V go to their slots), then `decode_attention`
+    (with its sliding `window`, 0 for none). Returns (B, H, D). The Triton kernel
+    does all of it in one launch and leaves q and k unrotated; here they may be
+    rotated in place or not (callers must not read them after)."""
+    _check_window(window)
     q, _ = rope_and_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
-    return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
+    return decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, window=window
+    )

@@ -466,6 +466,7 @@ def decode_attention(
     max_seq_len: int | None = None,
     *,
     order: torch.Tensor | None = None,
+    window: int = 0,
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -493,6 +494,8 @@ def decode_attention(
     16-bit q (q scaled and rounded to float16's 11 bits: finer than bf16's 8)
     and in q's dtype for float32.
     """
+    if window:
+        raise NotImplementedError("decode_attention: Triton sliding window not written yet")
     tiles = dict(
         num_splits=num_splits,
         block_n=block_n,
@@ -518,6 +521,7 @@ def rope_store_decode_attention(
     scale: float,
     max_seq_len: int | None = None,
     *,
+    window: int = 0,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """See `reference.rope_store_decode_attention`: a decode step's attention from
@@ -531,6 +535,8 @@ def rope_store_decode_attention(
     and the caches are not rotated in place as `rope_and_store` leaves them: q and
     k are left as they came.
     """
+    if window:
+        raise NotImplementedError("rope_store_decode_attention: Triton window not written yet")
     for t in (q, k, v):
         if t.stride(-1) != 1:
             raise ValueError("rope_store_decode_attention needs a contiguous last dim")
@@ -807,6 +813,7 @@ def prefill_attention(
     block_tables: torch.Tensor | None = None,
     max_q_len: int | None = None,
     *,
+    window: int = 0,
     config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Causal flash attention over a packed batch; see `reference.prefill_attention`.
@@ -818,6 +825,8 @@ def prefill_attention(
     (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of `_prefill_config`'s
     (scripts/bench_prefill_attention.py).
     """
+    if window:
+        raise NotImplementedError("prefill_attention: Triton sliding window not written yet")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     batch = seq_lens.shape[0]
