@@ -133,7 +133,7 @@ def test_chunked_dequantization_matches_one_shot(
         assert torch.equal(g.load_tensor("w", dtype=torch.float16), whole.half())
 
 
-@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.IQ4_NL, Q.Q5_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.IQ4_NL, Q.Q3_K], ids=lambda q: q.name)
 def test_unsupported_type_is_refused_by_name(tmp_path: Path, qtype: Q) -> None:
     path = tmp_path / "t.gguf"
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]

@@ -118,6 +118,36 @@ def _deq_q4_1(b: torch.Tensor) -> torch.Tensor:
     return d * q + m
 
 
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1: (N, 4) bytes of a little-endian u32 -> (N, 32) uint8, bit i of it at column i.
+
+    ggml reads the four bytes as one uint32 and takes bit j for element j
+    (j < 16, the low nibbles) and bit j + 16 for element j + 16 (the high
+    nibbles). Little-endian, bit i of the u32 is bit i % 8 of byte i // 8, so
+    shifting each byte by 0..7 gives the bits in element order without a
+    uint32 tensor (torch's shifts on uint32 are not implemented everywhere).
+    """
+    n = qh.shape[0]
+    bits = (qh.reshape(n, 4, 1) >> _shifts(list(range(8)), (1, 1, 8), qh.device)) & 1
+    return bits.reshape(n, 32)
+
+
+def _deq_q5_0(b: torch.Tensor) -> torch.Tensor:
+    # block: f16 d | 4 bytes fifth bits | 16 bytes of nibbles ; x = d * (q - 16)
+    d = _f16(b, 0)
+    low = _nibbles(b[:, 6:], 1).reshape(b.shape[0], 32)
+    q = (low | (_fifth_bits(b[:, 2:6]) << 4)).float() - 16.0
+    return d * q
+
+
+def _deq_q5_1(b: torch.Tensor) -> torch.Tensor:
+    # block: f16 d | f16 m | 4 bytes fifth bits | 16 bytes of nibbles ; x = d * q + m
+    d, m = _f16(b, 0), _f16(b, 2)
+    low = _nibbles(b[:, 8:], 1).reshape(b.shape[0], 32)
+    q = (low | (_fifth_bits(b[:, 4:8]) << 4)).float()
+    return d * q + m
+
+
 def _k_scales_mins(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K/Q5_K: 8 sub-block scales and mins, 6 bits each, packed into 12 bytes at offset 4.
 
@@ -177,6 +207,8 @@ _DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]
     Q.Q8_0: _deq_q8_0,
     Q.Q4_0: _deq_q4_0,
     Q.Q4_1: _deq_q4_1,
+    Q.Q5_0: _deq_q5_0,
+    Q.Q5_1: _deq_q5_1,
     Q.Q4_K: _deq_q4_k,
     Q.Q5_K: _deq_q5_k,
     Q.Q6_K: _deq_q6_k,
@@ -240,6 +272,15 @@ class GGUFTensorInfo:
     @property
     def supported(self) -> bool:
         return self.type_name in SUPPORTED_TYPES
+
+
+def unsupported_type_message(path: Path, info: GGUFTensorInfo) -> str:
+    """The one-line error for a tensor whose ggml type we cannot dequantize."""
+    return (
+        f"{path}: tensor {info.name!r} has ggml type {info.type_name}, which is not supported "
+        f"(supported: {', '.join(SUPPORTED_TYPES)}); re-quantize the model to one of these, "
+        "for example with llama.cpp's llama-quantize"
+    )
 
 
 class GGUFFile:
@@ -416,10 +457,7 @@ class GGUFFile:
         """
         info = self.tensor_info(name)
         if not info.supported:
-            raise ValueError(
-                f"{self.path}: tensor {name!r} has ggml type {info.type_name}, which is not "
-                f"supported (supported: {', '.join(SUPPORTED_TYPES)})"
-            )
+            raise ValueError(unsupported_type_message(self.path, info))
         import torch
 
         raw = self.raw_bytes(name).to(device)
@@ -556,10 +594,7 @@ def load_gguf_state_dict(
                 continue
             info = g.tensor_info(name)
             if not info.supported:
-                raise ValueError(
-                    f"{g.path}: tensor {name!r} has ggml type {info.type_name}, which is not "
-                    f"supported (supported: {', '.join(SUPPORTED_TYPES)})"
-                )
+                raise ValueError(unsupported_type_message(g.path, info))
             plan[name] = target
         if unknown:
             have = "has" if len(unknown) == 1 else "have"
