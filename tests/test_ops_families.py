@@ -178,3 +178,133 @@ def test_reference_window_rejects_a_negative_window(gen):
     (q, *rest), _ = decode_case(gen, [5], 4, 2, 32)
     with pytest.raises(ValueError, match="window -1: must be >= 0"):
         ref.decode_attention(q, *rest, 0.2, window=-1)
+
+
+# --------------------------------------------------------------------------
+# Sliding-window attention: the Triton kernels (interpreted) against the reference
+# --------------------------------------------------------------------------
+
+
+def _interpreted_triton():
+    """The Triton ops module when its kernels run in the interpreter, else None."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    from pagedllm.ops import triton_attention, triton_impl
+
+    if isinstance(triton_attention._decode_kernel, triton.runtime.jit.JITFunction):
+        return None  # compiled: these CPU-tensor tests cannot run
+    return triton_impl
+
+
+tri = _interpreted_triton()
+needs_interpreter = pytest.mark.skipif(
+    tri is None, reason="needs Triton's interpreter (TRITON_INTERPRET=1 before Triton's import)"
+)
+
+
+def assert_close(out, want, dtype):
+    assert out.dtype == dtype and out.shape == want.shape
+    assert rel_err(out, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("window", [0, 1, 5, 23, 100, 1000])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 1)])
+def test_triton_prefill_window(gen, window, num_heads, num_kv_heads):
+    """Several query blocks (140 new tokens: float32 tiles are 64 x 32), prefixes
+    shorter and longer than the window; windows inside one key tile, across tiles,
+    longer than every sequence."""
+    q_lens, ctx_lens = [140, 17, 3, 1], [0, 40, 70, 5]
+    args, _ = prefill_case(gen, q_lens, ctx_lens, num_heads, num_kv_heads, 32)
+    args = (*args[:5], 0.2, *args[5:])
+    want = ref.prefill_attention(*args, window=window)
+    out = tri.prefill_attention(*args, max_q_len=140, window=window)
+    assert_close(out, want, torch.float32)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("window", [0, 7, 40])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2)])
+def test_triton_decode_window(gen, window, num_splits, num_heads, num_kv_heads):
+    lens = [1, 15, 16, 17, 70, 200, 0]  # several pages, and a padding row (seq_len 0)
+    (q, kc, vc, tables, seq_lens), _ = decode_case(gen, lens, num_heads, num_kv_heads, 32)
+    want = ref.decode_attention(q, kc, vc, tables, seq_lens, 0.2, window=window)
+    out = tri.decode_attention(
+        q, kc, vc, tables, seq_lens, 0.2, window=window, num_splits=num_splits
+    )
+    assert_close(out, want, torch.float32)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_triton_decode_window_reads_only_the_window(gen, num_splits):
+    """Pages wholly before every window are never loaded: NaN there changes nothing
+    (a kernel that read and masked them would multiply NaN values by 0), and the
+    splits cover only the window."""
+    lens = [300, 100]
+    (q, kc, vc, tables, seq_lens), _ = decode_case(gen, lens, 4, 2, 32)
+    want = ref.decode_attention(q, kc, vc, tables, seq_lens, 0.2, window=40)
+    for b, n in enumerate(lens):
+        dead = tables[b, : (n - 40) // BS].long()  # the pages before position n - 40
+        kc[dead], vc[dead] = float("nan"), float("nan")
+    out = tri.decode_attention(q, kc, vc, tables, seq_lens, 0.2, window=40, num_splits=num_splits)
+    assert_close(out, want, torch.float32)
+    assert ref.decode_attention(q, kc, vc, tables, seq_lens, 0.2, window=40).isfinite().all()
+
+
+@needs_interpreter
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # the rows that do read them
+def test_triton_prefill_window_reads_no_key_before_it(gen):
+    """A chunk after a long prefix: K/V before the first new token's window, in the
+    pages and among the new tokens of earlier query blocks, are never loaded."""
+    args, _ = prefill_case(gen, [130], [100], 4, 2, 32)
+    q, k, v, cu, seq_lens, kc, vc, tables = args
+    window = 70  # query block 64.. (position 164..) sees 95.. ; block 128.. sees 159..
+    want = ref.prefill_attention(q, k, v, cu, seq_lens, 0.2, kc, vc, tables, window=window)
+    dead = tables[0, :1].long()  # positions 0..15: before every window
+    # NaN in V: a loaded but masked key would still add 0 * NaN to the sum.
+    kc[dead], vc[dead] = float("nan"), float("nan")
+    out = tri.prefill_attention(q, k, v, cu, seq_lens, 0.2, kc, vc, tables, window=window)
+    assert_close(out, want, torch.float32)
+    # New tokens 0..31 are a whole key tile before the last query block's windows:
+    # that block (tokens 128, 129) never loads them, the first ones do.
+    k[:32], v[:32] = float("nan"), float("nan")
+    again = tri.prefill_attention(q, k, v, cu, seq_lens, 0.2, kc, vc, tables, window=window)
+    assert again[:64].isnan().all() and torch.equal(again[128:], out[128:])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("window", [0, 1, 20])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_rope_store_decode_attention_window(gen, window, num_splits):
+    """The batch-1 fused decode (RoPE, K/V store, attention in one kernel) with a
+    window equals rope_and_store then the windowed decode_attention."""
+    lens = [1, 17, 70]
+    (q, kc, vc, tables, seq_lens), _ = decode_case(gen, lens, 4, 2, 32)
+    k = torch.randn(len(lens), 2, 32, generator=gen)
+    v = torch.randn(len(lens), 2, 32, generator=gen)
+    positions = (seq_lens - 1).long()
+    slots = tables[torch.arange(len(lens)), positions // BS].long() * BS + positions % BS
+    cos_sin = ref.rope_cos_sin_cache(32, 10000.0, None, 100)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    want = ref.rope_store_decode_attention(
+        q.clone(), k.clone(), v, positions, cos_sin, want_kc, want_vc, slots, tables, seq_lens,
+        0.2, window=window,
+    )  # fmt: skip
+    out = tri.rope_store_decode_attention(
+        q, k, v, positions, cos_sin, kc, vc, slots, tables, seq_lens, 0.2,
+        window=window, num_splits=num_splits,
+    )  # fmt: skip
+    assert_close(out, want, torch.float32)
+    assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+
+
+@needs_interpreter
+def test_triton_window_rejects_a_negative_window(gen):
+    (q, *rest), _ = decode_case(gen, [5], 4, 2, 32)
+    with pytest.raises(ValueError, match="window -3: must be >= 0"):
+        tri.decode_attention(q, *rest, 0.2, window=-3)

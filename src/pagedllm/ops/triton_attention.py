@@ -135,6 +135,15 @@ def _prefill_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, i
     return 128, 64, 8, 3
 
 
+def _checked_window(window: int) -> int:
+    """A sliding window as the kernels take it (0: none), as `reference` checks it."""
+    if window < 0:
+        raise ValueError(f"attention window {window}: must be >= 0 (0: no window)")
+    # The kernels take it as an int32 (positions are int32 there): a window at least
+    # as long as any sequence is no window.
+    return min(int(window), 2**31 - 1)
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # float32 inputs would otherwise go through tf32 on the GPU (10-bit mantissa).
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -228,7 +237,10 @@ def _rotated(ptr, rows, row_ok, cs_row, D: tl.constexpr):
     return out.to(x.dtype)
 
 
-@triton.jit
+# The window is a runtime int, never specialized (not even on == 1 or % 16), so
+# one compiled variant serves every window size; HAS_WINDOW (constexpr) keeps the
+# no-window variant exactly as it was.
+@triton.jit(do_not_specialize=["window"])
 def _decode_kernel(
     q_ptr,  # (B, H, D); with NEW_TOKEN, before RoPE
     k_cache_ptr,  # (NB, BS, Hkv, D)
@@ -246,6 +258,7 @@ def _decode_kernel(
     order_ptr,  # ORDERED: (B,) the sequence each grid row takes (longest first)
     qk_scale,  # scale * log2(e)
     num_splits,
+    window,  # HAS_WINDOW: the newest token sees the last `window` positions
     stride_qb,
     stride_qh,
     stride_kc_nb,
@@ -275,6 +288,7 @@ def _decode_kernel(
     PDL: tl.constexpr,  # a programmatic dependent launch (ops/triton_pdl.py)
     HP: tl.constexpr = 1,  # KV heads per program (neighbours in the cache row)
     ORDERED: tl.constexpr = False,  # grid row i takes sequence order[i]
+    HAS_WINDOW: tl.constexpr = False,  # a sliding window (reference.prefill_attention)
 ):
     pdl_start(PDL)
     # Grid (Hkv / HP, B, S): the KV heads of one sequence are neighbouring programs,
@@ -301,15 +315,22 @@ def _decode_kernel(
     # kernel of this step writes them, so they may be read before pdl_wait.
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
 
-    # This program's token range [start, end): each sequence's own length is cut
-    # into num_splits equal (BLOCK_N-aligned) parts, so the split is graph-safe and
-    # a split past the end simply runs no iterations.
+    # The positions this sequence's newest token sees, [lo, seq_len): all of them,
+    # or with a sliding window the last `window`. Pages before lo are never read.
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    else:
+        lo = 0
+    # This program's token range [start, end): each sequence's own [lo, seq_len) is
+    # cut into num_splits equal (BLOCK_N-aligned) parts, so the split is graph-safe
+    # and a split past the end simply runs no iterations. With a window the splits
+    # share the window's tokens only.
     if SPLIT:
-        per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        start = split * per_split
+        per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+        start = lo + split * per_split
         end = tl.minimum(start + per_split, seq_len)
     else:
-        start = 0
+        start = lo
         end = seq_len
     # With NEW_TOKEN the last token (this step's) is not in the cache yet: the pages
     # are read up to it, and the program whose range holds it stores and adds it.
@@ -494,9 +515,8 @@ def decode_attention(
     16-bit q (q scaled and rounded to float16's 11 bits: finer than bf16's 8)
     and in q's dtype for float32.
     """
-    if window:
-        raise NotImplementedError("decode_attention: Triton sliding window not written yet")
     tiles = dict(
+        window=_checked_window(window),
         num_splits=num_splits,
         block_n=block_n,
         num_warps=num_warps,
@@ -535,16 +555,16 @@ def rope_store_decode_attention(
     and the caches are not rotated in place as `rope_and_store` leaves them: q and
     k are left as they came.
     """
-    if window:
-        raise NotImplementedError("rope_store_decode_attention: Triton window not written yet")
+    window = _checked_window(window)
     for t in (q, k, v):
         if t.stride(-1) != 1:
             raise ValueError("rope_store_decode_attention needs a contiguous last dim")
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(-1) == 1
     new = (k, v, positions, cos_sin_cache, slot_mapping)
     return _decode(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, new, num_splits=num_splits
-    )
+        q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, new,
+        window=window, num_splits=num_splits,
+    )  # fmt: skip
 
 
 def _decode(
@@ -557,6 +577,7 @@ def _decode(
     max_seq_len,
     new,
     *,
+    window=0,
     num_splits=None,
     block_n=None,
     num_warps=None,
@@ -593,6 +614,8 @@ def _decode(
     programs = num_kv_heads // hp
     if num_splits is None:
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+        if window:  # a program reads at most `window` tokens
+            bound = min(bound, window)
         num_splits = num_decode_splits(batch, programs, bound, sms)
     split = num_splits > 1
     pdl = use_pdl(q)
@@ -627,6 +650,7 @@ def _decode(
         order if order is not None else seq_lens,
         scale * LOG2E,
         num_splits,
+        window,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -656,6 +680,7 @@ def _decode(
         PDL=pdl,
         HP=hp,
         ORDERED=order is not None,
+        HAS_WINDOW=window > 0,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
@@ -684,11 +709,19 @@ def _decode(
 
 
 @triton.jit
-def _online_softmax_step(s, v, m_i, l_i, acc, PREC: tl.constexpr):
-    """Fold one tile of (already scaled, masked) scores s (M, N) and values v (N, D) in."""
+def _online_softmax_step(s, v, m_i, l_i, acc, PREC: tl.constexpr, EMPTY_ROWS: tl.constexpr = False):
+    """Fold one tile of (already scaled, masked) scores s (M, N) and values v (N, D) in.
+
+    EMPTY_ROWS: a row may have no visible key in this tile and none before (a
+    sliding window starts later for later rows), so its max is still -inf; it
+    then keeps m = -inf, l = 0, acc = 0 instead of computing exp2(-inf - -inf)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if EMPTY_ROWS:
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        base = m_new
+    alpha = tl.exp2(m_i - base)
+    p = tl.exp2(s - base[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, l_i, acc
@@ -697,7 +730,11 @@ def _online_softmax_step(s, v, m_i, l_i, acc, PREC: tl.constexpr):
 # A mixed step passes cu_seqlens and seq_lens sliced past its decode rows
 # (`model/llama.py`): pointers 4 bytes apart. Left unspecialized on alignment,
 # they share one compiled kernel (scalar loads: alignment buys nothing there).
-@triton.jit(do_not_specialize_on_alignment=["cu_seqlens_ptr", "seq_lens_ptr", "block_tables_ptr"])
+# The window, as in decode: a runtime int that is never specialized.
+@triton.jit(
+    do_not_specialize=["window"],
+    do_not_specialize_on_alignment=["cu_seqlens_ptr", "seq_lens_ptr", "block_tables_ptr"],
+)
 def _prefill_kernel(
     q_ptr,  # (T, H, D)
     k_ptr,  # (T, Hkv, D) new tokens
@@ -709,6 +746,7 @@ def _prefill_kernel(
     seq_lens_ptr,  # (B,)
     out_ptr,  # (T, H, D)
     qk_scale,  # scale * log2(e)
+    window,  # HAS_WINDOW: each token sees the last `window` positions up to its own
     stride_qt,
     stride_qh,
     stride_kt,
@@ -731,6 +769,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     HAS_CACHE: tl.constexpr,
     PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False,
 ):
     # The last query blocks of a sequence do the most work (causal): run them first.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -753,11 +792,23 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
 
-        # 1. The cached prefix [0, ctx_len): every new token sees all of it.
+        # With a sliding window, query row i (new-token index, position ctx_len + i)
+        # sees new-token indices t > i - window, prefix positions j > ctx_len + i -
+        # window. Keys before the block's first row's window are skipped whole: the
+        # loops below start at it. Rows further down start later, so the tiles that
+        # hold some row's window start are masked per row (EMPTY_ROWS: a row may see
+        # nothing in one); tiles inside every row's window are not.
+
+        # 1. The cached prefix [0, ctx_len): every new token sees all of it (or,
+        # with a window, its part of it).
         if HAS_CACHE:
             ctx_len = tl.load(seq_lens_ptr + b).to(tl.int32) - q_len
             bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt_b
-            for n0 in range(0, ctx_len, BLOCK_N):
+            if HAS_WINDOW:
+                first_key = tl.maximum(ctx_len + m_start - window + 1, 0)
+            else:
+                first_key = 0
+            for n0 in range(first_key, ctx_len, BLOCK_N):
                 n = n0 + offs_n
                 n_mask = n < ctx_len
                 page = tl.load(bt_row + n // BS, mask=n_mask, other=0).to(tl.int64)
@@ -767,33 +818,59 @@ def _prefill_kernel(
                     k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0
                 )
                 s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * qk_scale
-                s = tl.where(n_mask[None, :], s, float("-inf"))
+                if HAS_WINDOW:
+                    visible = n_mask[None, :] & (n[None, :] > ctx_len + offs_m[:, None] - window)
+                else:
+                    visible = n_mask[None, :]
+                s = tl.where(visible, s, float("-inf"))
                 v_off = page * stride_vc_nb + row * stride_vc_bs + kvh * stride_vc_h
                 v = tl.load(
                     v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0
                 )
-                m_i, l_i, acc = _online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, PREC)
+                m_i, l_i, acc = _online_softmax_step(
+                    s, v.to(q.dtype), m_i, l_i, acc, PREC, HAS_WINDOW
+                )
 
-        # 2. New tokens strictly before this query block: no mask needed.
+        # 2. New tokens strictly before this query block: no mask needed (with a
+        # window: from the BLOCK_N-aligned tile holding the first row's window start,
+        # masked up to the first tile inside every row's window).
         k_base = k_ptr + q_start.to(tl.int64) * stride_kt + kvh * stride_kh
         v_base = v_ptr + q_start.to(tl.int64) * stride_vt + kvh * stride_vh
-        for n0 in range(0, m_start, BLOCK_N):
+        first_full = 0
+        if HAS_WINDOW:
+            first_key = tl.maximum(m_start - window + 1, 0) // BLOCK_N * BLOCK_N
+            # Tile n0.. is inside every row's window when n0 > (m_start + BLOCK_M - 1)
+            # - window: the last (padded) row's window start.
+            first_full = tl.minimum(
+                tl.cdiv(tl.maximum(m_start + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N, m_start
+            )
+            for n0 in range(first_key, first_full, BLOCK_N):
+                n = n0 + offs_n
+                k = tl.load(k_base + n[:, None] * stride_kt + offs_d[None, :])
+                s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+                s = tl.where(n[None, :] > offs_m[:, None] - window, s, float("-inf"))
+                v = tl.load(v_base + n[:, None] * stride_vt + offs_d[None, :])
+                m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PREC, True)
+        for n0 in range(first_full, m_start, BLOCK_N):
             n = n0 + offs_n
             k = tl.load(k_base + n[:, None] * stride_kt + offs_d[None, :])
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             v = tl.load(v_base + n[:, None] * stride_vt + offs_d[None, :])
             m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PREC)
 
-        # 3. The diagonal block: causal mask (key j visible to query i iff j <= i).
+        # 3. The diagonal block: causal mask (key j visible to query i iff j <= i;
+        # with a window, and j > i - window).
         for n0 in range(m_start, tl.minimum(m_start + BLOCK_M, q_len), BLOCK_N):
             n = n0 + offs_n
             n_mask = n < q_len
             k = tl.load(k_base + n[:, None] * stride_kt + offs_d[None, :], mask=n_mask[:, None])
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             visible = (n[None, :] <= offs_m[:, None]) & n_mask[None, :]
+            if HAS_WINDOW:
+                visible &= n[None, :] > offs_m[:, None] - window
             s = tl.where(visible, s, float("-inf"))
             v = tl.load(v_base + n[:, None] * stride_vt + offs_d[None, :], mask=n_mask[:, None])
-            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PREC)
+            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PREC, HAS_WINDOW)
 
         # Every real query row saw at least its own key, so l_i > 0 there.
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -825,8 +902,7 @@ def prefill_attention(
     (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of `_prefill_config`'s
     (scripts/bench_prefill_attention.py).
     """
-    if window:
-        raise NotImplementedError("prefill_attention: Triton sliding window not written yet")
+    window = _checked_window(window)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     batch = seq_lens.shape[0]
@@ -862,6 +938,7 @@ def prefill_attention(
         seq_lens,
         out,
         scale * LOG2E,
+        window,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -878,6 +955,7 @@ def prefill_attention(
         BLOCK_N=block_n,
         HAS_CACHE=has_cache,
         PREC=_dot_precision(q.dtype),
+        HAS_WINDOW=window > 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
