@@ -26,6 +26,7 @@ For GGUF: `tokenizer.ggml.add_bos_token` if present, else the default of the
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import chain, repeat
@@ -36,6 +37,7 @@ import regex
 
 from pagedllm.gguf_metadata import read_gguf_metadata
 from pagedllm.tokenizer.pretokenize import (
+    GgufPre,
     PreTokenizer,
     from_gguf_pre,
     from_hf_json,
@@ -90,6 +92,12 @@ class TokenizerSpec:
     chat_template: str | None = None
     special_token_strings: dict[str, str] = field(default_factory=dict)  # for templates
     source: str = ""
+    # A SentencePiece-style model (GGUF "llama"): one score and one GGUF token
+    # type per id, in id order (`merges` is then empty). None: byte-level BPE.
+    scores: list[float] | None = None
+    token_types: list[int] | None = None
+    add_space_prefix: bool = False
+    normalizer: str | None = None  # a Unicode normal form put on text first ("NFC": Qwen)
 
 
 # ------------------------------------------------------------------ tokenizer.json
@@ -123,11 +131,7 @@ def load_tokenizer_json(path: str | Path) -> TokenizerSpec:
     if model.get("type", "BPE") != "BPE":
         raise ValueError(f"{path}: model type {model.get('type')!r} is not supported (only BPE)")
     _check_bpe_options(path, model)
-    normalizer = data.get("normalizer")
-    if normalizer not in (None, {"type": "Sequence", "normalizers": []}):
-        raise ValueError(
-            f"{path}: normalizer {_kind(normalizer)} is not supported (byte-level BPE has none)"
-        )
+    normalizer = _normalizer(path, data.get("normalizer"))
     decoder = data.get("decoder")
     if decoder is not None and not (
         isinstance(decoder, dict) and decoder.get("type") == "ByteLevel"
@@ -147,6 +151,7 @@ def load_tokenizer_json(path: str | Path) -> TokenizerSpec:
         ignore_merges=ignore_merges,
         added_tokens=added,
         source=str(path),
+        normalizer=normalizer,
     )
     token_to_id = {**vocab, **{t.content: t.id for t in added}}
     id_space = 1 + max(token_to_id.values(), default=-1)
@@ -186,6 +191,25 @@ def _read_json_beside(path: Path, name: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{other}: the file holds a JSON {_json_type(data)}, expected an object")
     return data
+
+
+def _normalizer(path: Path, spec: Any) -> str | None:
+    """The Unicode normal form a `normalizer` puts text in: None (byte-level BPE
+    usually has no normalizer) or "NFC" (Qwen2, Qwen2.5 and Qwen3), alone or as
+    the one step of a Sequence. Anything else is refused by name."""
+    steps = [spec]
+    if isinstance(spec, dict) and spec.get("type") == "Sequence":
+        steps = spec.get("normalizers")
+        if not isinstance(steps, list):
+            _bad(path, "normalizer normalizers", steps, "a list")
+        if not steps:
+            return None
+    if steps == [None]:
+        return None
+    if len(steps) == 1 and isinstance(steps[0], dict) and steps[0].get("type") == "NFC":
+        return "NFC"
+    shown = spec if len(steps) != 1 else steps[0]
+    raise ValueError(f"{path}: normalizer {_kind(shown)} is not supported (none, or NFC as Qwen's)")
 
 
 def _check_bpe_options(path: Path, model: Mapping[str, Any]) -> None:
@@ -499,20 +523,35 @@ def load_gguf(path: str | Path) -> TokenizerSpec:
 def spec_from_gguf_metadata(meta: Mapping[str, Any], source: str = "<gguf>") -> TokenizerSpec:
     """A `TokenizerSpec` from GGUF `tokenizer.*` metadata.
 
+    `tokenizer.ggml.model` "gpt2" is byte-level BPE (merges, a pre-tokenizer
+    named by `tokenizer.ggml.pre`); "llama" is SentencePiece-style BPE (scores
+    instead of merges, byte fallback; `sentencepiece.py`), which Llama 2,
+    Mistral and Gemma files use. As in llama.cpp, control and unknown tokens
+    are special, user-defined ones are matched in any text, and a
+    SentencePiece model adds BOS and a space prefix unless the file says no.
+
     Every key is checked for its type (and the token arrays for their lengths)
     before use: a missing or malformed key is a ValueError naming it, never a
     KeyError, TypeError or a vocabulary silently cut short by `zip`."""
     model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise ValueError(
-            f"{source}: tokenizer.ggml.model {model!r} is not supported (only 'gpt2', byte-level BPE)"
+            f"{source}: tokenizer.ggml.model {model!r} is not supported "
+            "(only 'gpt2', byte-level BPE, and 'llama', SentencePiece)"
         )
-    if "tokenizer.ggml.pre" not in meta:
-        raise ValueError(f"{source}: no tokenizer.ggml.pre; cannot tell which pre-tokenizer to use")
-    pre_name = meta["tokenizer.ggml.pre"]
-    if not isinstance(pre_name, str):
-        _bad_key(source, "tokenizer.ggml.pre", pre_name, "a string")
-    pre = from_gguf_pre(pre_name)
+    sentencepiece = model == "llama"
+    if sentencepiece:
+        # No pre-tokenizer (llama.cpp ignores tokenizer.ggml.pre here), BOS on.
+        pre = GgufPre((), ignore_merges=False, add_bos=True)
+    else:
+        if "tokenizer.ggml.pre" not in meta:
+            raise ValueError(
+                f"{source}: no tokenizer.ggml.pre; cannot tell which pre-tokenizer to use"
+            )
+        pre_name = meta["tokenizer.ggml.pre"]
+        if not isinstance(pre_name, str):
+            _bad_key(source, "tokenizer.ggml.pre", pre_name, "a string")
+        pre = from_gguf_pre(pre_name)
     if "tokenizer.ggml.tokens" not in meta:
         raise ValueError(
             f"{source}: no tokenizer.ggml.tokens; the file carries no vocabulary, so no "
@@ -524,13 +563,14 @@ def spec_from_gguf_metadata(meta: Mapping[str, Any], source: str = "<gguf>") -> 
     types = meta.get("tokenizer.ggml.token_type")
     if types is None:
         types = [GGUF_NORMAL] * len(tokens)
-    elif not isinstance(types, list) or not all(_is_int(t) for t in types):
+    elif not isinstance(types, list) or not set(map(type, types)) <= {int}:
         _bad_key(source, "tokenizer.ggml.token_type", types, "an array of integers")
     elif len(types) != len(tokens):
         raise ValueError(
             f"{source}: tokenizer.ggml.token_type has {len(types)} entries but "
             f"tokenizer.ggml.tokens has {len(tokens)}; they must match one to one"
         )
+    scores = _gguf_scores(meta, tokens, source) if sentencepiece else None
     merges = []
     for m in _str_array(meta, "tokenizer.ggml.merges", source):
         # Split at the first space after position 0, as llama.cpp does.
@@ -542,7 +582,13 @@ def spec_from_gguf_metadata(meta: Mapping[str, Any], source: str = "<gguf>") -> 
     vocab: dict[str, int] = {}
     added: list[AddedToken] = []
     for i, (tok, kind) in enumerate(zip(tokens, types)):
-        vocab.setdefault(tok, i)
+        first = vocab.setdefault(tok, i)
+        if sentencepiece and first != i:
+            # A merge result must name one id (llama.cpp refuses such a file too).
+            raise ValueError(
+                f"{source}: token {tok!r} appears twice in tokenizer.ggml.tokens "
+                f"(ids {first} and {i}); a SentencePiece vocabulary must not repeat a token"
+            )
         if kind in (GGUF_CONTROL, GGUF_UNKNOWN, GGUF_USER_DEFINED):
             # llama.cpp: control and unknown tokens are parsed in text only when
             # special tokens are allowed; user-defined ones always.
@@ -568,6 +614,8 @@ def spec_from_gguf_metadata(meta: Mapping[str, Any], source: str = "<gguf>") -> 
     eos = token_id("tokenizer.ggml.eos_token_id")
     add_bos = flag("tokenizer.ggml.add_bos_token", pre.add_bos)
     add_eos = flag("tokenizer.ggml.add_eos_token", False)
+    # Gemma's files say False; llama.cpp's default for SentencePiece is True.
+    add_space_prefix = sentencepiece and flag("tokenizer.ggml.add_space_prefix", True)
     chat_template = meta.get("tokenizer.chat_template")
     if chat_template is not None and not isinstance(chat_template, str):
         _bad_key(source, "tokenizer.chat_template", chat_template, "a string")
@@ -600,7 +648,32 @@ def spec_from_gguf_metadata(meta: Mapping[str, Any], source: str = "<gguf>") -> 
         chat_template=chat_template,
         special_token_strings=strings,
         source=source,
+        scores=scores,
+        token_types=list(types) if sentencepiece else None,
+        add_space_prefix=add_space_prefix,
     )
+
+
+def _gguf_scores(meta: Mapping[str, Any], tokens: list[str], source: str) -> list[float]:
+    """`tokenizer.ggml.scores`: one finite number per token (the merge order of
+    a SentencePiece vocabulary, so it cannot be left out)."""
+    scores = meta.get("tokenizer.ggml.scores")
+    if scores is None:
+        raise ValueError(
+            f"{source}: tokenizer.ggml.model 'llama' (SentencePiece) needs "
+            "tokenizer.ggml.scores, the score that orders its merges; the file has none"
+        )
+    # The type check runs in C first (Gemma has 262,144 scores).
+    if not (isinstance(scores, list) and set(map(type, scores)) <= {float, int}) or not all(
+        map(math.isfinite, scores)
+    ):
+        _bad_key(source, "tokenizer.ggml.scores", scores, "an array of finite numbers")
+    if len(scores) != len(tokens):
+        raise ValueError(
+            f"{source}: tokenizer.ggml.scores has {len(scores)} entries but "
+            f"tokenizer.ggml.tokens has {len(tokens)}; they must match one to one"
+        )
+    return [float(x) for x in scores]
 
 
 def _is_int(value: Any) -> bool:
