@@ -33,6 +33,12 @@ LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2, Qwen2.5 and Qwen3 (tokenizer.json's Split, and llama.cpp's "qwen2"):
+# Llama 3's pattern with each digit alone (\p{N}, not \p{N}{1,3}).
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 DIGIT_PATTERN = r"\p{N}"
 
 # HF's names for what happens to the text a rule matches.
@@ -233,6 +239,10 @@ _LLAMA3 = GgufPre((LLAMA3_PATTERN,), ignore_merges=True, add_bos=True)
 # pattern; its tokenizer.json says Sequence[Digits(individual), ByteLevel].
 _STARCODER = GgufPre((DIGIT_PATTERN, GPT2_PATTERN), ignore_merges=False, add_bos=False)
 _GPT2 = GgufPre((GPT2_PATTERN,), ignore_merges=False, add_bos=False)
+# Qwen's files set add_bos_token false; llama.cpp's BPE default is no BOS anyway.
+# (Unlike HF, llama.cpp puts no NFC normalizer before the split: a decomposed
+# "é" gives other ids here than with Qwen's tokenizer.json.)
+_QWEN2 = GgufPre((QWEN2_PATTERN,), ignore_merges=False, add_bos=False)
 
 GGUF_PRE: dict[str, GgufPre] = {
     "llama-bpe": _LLAMA3,
@@ -241,6 +251,9 @@ GGUF_PRE: dict[str, GgufPre] = {
     "smollm": _STARCODER,
     "starcoder": _STARCODER,
     "gpt2": _GPT2,
+    # llama.cpp maps these to its QWEN2 pre-tokenizer (Qwen3 files say "qwen2" too).
+    "qwen2": _QWEN2,
+    "deepseek-r1-qwen": _QWEN2,
 }
 
 
