@@ -308,3 +308,158 @@ def test_triton_window_rejects_a_negative_window(gen):
     (q, *rest), _ = decode_case(gen, [5], 4, 2, 32)
     with pytest.raises(ValueError, match="window -3: must be >= 0"):
         tri.decode_attention(q, *rest, 0.2, window=-3)
+
+
+# --------------------------------------------------------------------------
+# head_dim 256 (Gemma 3) and 128 beside 64, in every Triton kernel
+# --------------------------------------------------------------------------
+
+HEAD_DIM_CASES = [  # (head_dim, num_heads, num_kv_heads)
+    (64, 4, 4),
+    (128, 8, 2),
+    (256, 4, 1),  # Gemma 3 270M
+    (256, 8, 8),
+]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads"), HEAD_DIM_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_decode_head_dims(gen, head_dim, num_heads, num_kv_heads, dtype):
+    """The tiles each head dim gets (16-bit: 16 KB of K per tile, 32 tokens at
+    D=256), with and without splits and a window."""
+    lens = [1, 33, 90]
+    (q, kc, vc, tables, seq_lens), _ = decode_case(gen, lens, num_heads, num_kv_heads, head_dim)
+    q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+    for window, splits in [(0, 1), (40, 3)]:
+        want = ref.decode_attention(
+            q.float(), kc.float(), vc.float(), tables, seq_lens, 0.1, window=window
+        )
+        out = tri.decode_attention(
+            q, kc, vc, tables, seq_lens, 0.1, window=window, num_splits=splits
+        )
+        assert_close(out, want.to(dtype), dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads"), HEAD_DIM_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_prefill_head_dims(gen, head_dim, num_heads, num_kv_heads, dtype):
+    """`_prefill_config`'s tiles for each head dim (bf16: the GPU's), a cached
+    prefix longer than the window."""
+    args, _ = prefill_case(gen, [70, 5], [40, 0], num_heads, num_kv_heads, head_dim, dtype)
+    args = (*args[:5], 0.1, *args[5:])
+    for window in (0, 30):
+        want = ref.prefill_attention(*(a.float() if a.is_floating_point() else a for a in args[:5]),
+                                     0.1, *(a.float() if a.is_floating_point() else a
+                                            for a in args[6:]), window=window)  # fmt: skip
+        out = tri.prefill_attention(*args, window=window)
+        assert_close(out, want.to(dtype), dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads"), HEAD_DIM_CASES[1:3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_rope_head_dims(gen, head_dim, num_heads, num_kv_heads, dtype):
+    """RoPE in place and RoPE + K/V store at D=128 and 256, on strided views of
+    one fused QKV output: equal to the reference bit for bit."""
+    n, q_size, kv_size = 5, num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(n, q_size + 2 * kv_size, generator=gen).to(dtype)
+    qkv2 = qkv.clone()  # for apply_rope alone, below
+    views = (
+        qkv[:, :q_size].view(n, num_heads, head_dim),
+        qkv[:, q_size : q_size + kv_size].view(n, num_kv_heads, head_dim),
+        qkv[:, q_size + kv_size :].view(n, num_kv_heads, head_dim),
+    )
+    positions = torch.tensor([0, 3, 17, 40, 99])
+    cos_sin = ref.rope_cos_sin_cache(head_dim, 1e6, None, 100)
+    want_q, want_k = ref.apply_rope(views[0], views[1], positions, cos_sin)
+    kc = torch.zeros(4, BS, num_kv_heads, head_dim, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    slots = torch.tensor([0, 5, 17, 40, 63])
+    ref.store_kvcache(want_k, views[2], want_kc, want_vc, slots)
+    q, k = tri.rope_and_store(*views, positions, cos_sin, kc, vc, slots)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+    q2 = qkv2[:, :q_size].view(n, num_heads, head_dim)
+    k2 = qkv2[:, q_size : q_size + kv_size].view(n, num_kv_heads, head_dim)
+    tri.apply_rope(q2, k2, positions, cos_sin)
+    assert torch.equal(q2, want_q) and torch.equal(k2, want_k)  # in place on the views
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 1), (8, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_rope_store_decode_attention_head_dim_256(gen, num_heads, num_kv_heads, dtype):
+    lens = [1, 20, 50]
+    (q, kc, vc, tables, seq_lens), _ = decode_case(gen, lens, num_heads, num_kv_heads, 256, dtype)
+    k = torch.randn(len(lens), num_kv_heads, 256, generator=gen).to(dtype)
+    v = torch.randn(len(lens), num_kv_heads, 256, generator=gen).to(dtype)
+    positions = (seq_lens - 1).long()
+    slots = tables[torch.arange(len(lens)), positions // BS].long() * BS + positions % BS
+    cos_sin = ref.rope_cos_sin_cache(256, 10000.0, None, 64)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    want = ref.rope_store_decode_attention(
+        q.clone(), k.clone(), v, positions, cos_sin, want_kc, want_vc, slots, tables, seq_lens,
+        0.0625, window=16,
+    )  # fmt: skip
+    out = tri.rope_store_decode_attention(
+        q, k, v, positions, cos_sin, kc, vc, slots, tables, seq_lens, 0.0625, window=16
+    )
+    assert out.dtype == dtype and rel_err(out, want) < (1e-5 if dtype == torch.float32 else 2e-3)
+    assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_rms_norm_per_head_on_a_strided_view(gen, head_dim, dtype):
+    """Qwen3's and Gemma 3's q/k norms: rms_norm of a (T, H, D) strided view of the
+    fused QKV output (token stride != H * D), read in place, equals the reference
+    on the same rows; the view is left as it was."""
+    n, heads = 3, 4
+    qkv = torch.randn(n, (heads + 2) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * head_dim].view(n, heads, head_dim)
+    weight = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(dtype)
+    before = qkv.clone()
+    out = tri.rms_norm(q, weight, 1e-6)
+    want = ref.rms_norm(q.reshape(-1, head_dim), weight, 1e-6).view(n, heads, head_dim)
+    assert out.shape == q.shape and out.is_contiguous() and torch.equal(qkv, before)
+    if dtype == torch.float32:
+        assert rel_err(out, want) < 1e-6
+    else:  # one bf16 step apart at most, where a float32 sum order differs
+        diff = (out.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+        assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= max(1, out.numel() // 1000)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("head_dim", [48, 96, 512])
+def test_triton_attention_rejects_unsupported_head_dims(gen, head_dim):
+    q = torch.zeros(1, 2, head_dim)
+    kc = torch.zeros(2, BS, 1, head_dim)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"head_dim {head_dim}: .* power of two from 16 to 256"):
+        tri.decode_attention(q, kc, kc, tables, lens, 0.1)
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"head_dim {head_dim}"):
+        tri.prefill_attention(q, q[:, :1], q[:, :1], cu, lens, 0.1)
+
+
+def test_tile_configs_fit_an_h200s_shared_memory():
+    """Every (dtype, head_dim) gets tiles whose Q + stages x (K + V) stay within
+    the 227 KB a block may use on an H200 (decode: stages x (K + V) plus q)."""
+    triton_attention = pytest.importorskip("pagedllm.ops.triton_attention")
+    limit = 227 * 1024
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for head_dim in (64, 128, 256):
+            size = dtype.itemsize
+            bm, bn, _, stages = triton_attention._prefill_config(dtype, head_dim)
+            assert bm * head_dim * size + stages * 2 * bn * head_dim * size <= limit
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float32):
+        for head_dim in (64, 128, 256):
+            bn, warps, stages = triton_attention._decode_tile(head_dim, dtype)
+            q_bytes = 16 * head_dim * max(2, dtype.itemsize)
+            assert q_bytes + stages * 2 * bn * head_dim * dtype.itemsize <= limit
+            assert 16 * head_dim // (32 * warps) <= 64  # float32 accumulator per thread

@@ -88,11 +88,21 @@ MAX_SPLITS = 64
 
 def _decode_tile(row: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for decode over pages of `dtype`, reading
-    `row` values (heads per program x head_dim) per token."""
+    `row` values (heads per program x head_dim) per token.
+
+    The tiles keep their bytes as the row grows, so at D=256 (Gemma 3) they hold
+    32 tokens: 16-bit, K + V = 2 x 16 KB per stage, 3 stages = 96 KB of shared
+    memory; float8, 2 x 8 KB, 5 stages = 80 KB (an H200 has 227 KB per block).
+    Registers: the (16, D) float32 accumulator is 16 * 256 / (32 * warps) values
+    per thread, 32 with 16-bit pages' 4 warps. float8 pages at D=256 take 4 warps,
+    not 2: with 2, the accumulator (64), q in float16 (32) and the K and V tiles
+    widened to float16 (64 each) would near the 255-register limit and spill.
+    (Not measured on the GPU yet.)"""
     row_bytes = row * dtype.itemsize
     if dtype.itemsize == 1:
         block_n = max(16, min(128, FP8_DECODE_TILE_BYTES // row_bytes))
-        return block_n, FP8_DECODE_NUM_WARPS, FP8_DECODE_NUM_STAGES
+        warps = FP8_DECODE_NUM_WARPS if row < 256 else 4
+        return block_n, warps, FP8_DECODE_NUM_STAGES
     block_n = max(16, min(128, DECODE_TILE_BYTES // row_bytes))
     return block_n, DECODE_NUM_WARPS, DECODE_NUM_STAGES
 
@@ -127,12 +137,34 @@ def _prefill_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, i
     with 8 warps (128 KB of shared memory). float32 inputs run exact ("ieee")
     dots on FMA units, so small tiles keep them in registers; that path exists
     for correctness, not speed.
+
+    Shared memory per program is about Q + stages x (K + V) tiles: BLOCK_M * D *
+    2 + num_stages * 2 * BLOCK_N * D * 2 bytes for 16-bit inputs. At D=256
+    (Gemma 3; not measured on the GPU yet): 64 x 64 tiles, 4 warps, 2 stages =
+    32 + 2 x 64 = 160 KB of the H200's 227 KB (3 stages would be 224 KB, too
+    close). Registers: the (64, 256) float32 accumulator is 128 per thread, the
+    (64, 64) scores 32 more, as flash-attention 2's own D=256 kernels carry
+    (their 128-row tiles with 8 warps). 64-row query blocks rather than 128:
+    Gemma's 4-8 query heads make few programs per prompt. float32 at D=256:
+    32 x 32 tiles, 32 + 2 x 64 = 160 KB.
     """
     if dtype == torch.float32:
-        return 64, 32, 4, 2
+        return (64, 32, 4, 2) if head_dim <= 128 else (32, 32, 4, 2)
     if head_dim <= 64:
         return 64, 64, 4, 3
-    return 128, 64, 8, 3
+    if head_dim <= 128:
+        return 128, 64, 8, 3
+    return 64, 64, 4, 2
+
+
+def _check_head_dim(head_dim: int) -> None:
+    """The head dims the tiles are made for: powers of two (tl.arange), 16 (the
+    smallest dot) to 256 (Gemma 3; larger tiles would not fit shared memory)."""
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+        raise ValueError(
+            f"head_dim {head_dim}: the Triton attention kernels take a power of two from 16 "
+            "to 256; run this model with --ops reference"
+        )
 
 
 def _checked_window(window: int) -> int:
@@ -588,6 +620,7 @@ def _decode(
     """Both decode entry points: `new` = (k, v, positions, cos_sin_cache,
     slot_mapping) of this step's tokens, or None when they are in the cache already."""
     batch, num_heads, head_dim = q.shape
+    _check_head_dim(head_dim)
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -697,7 +730,8 @@ def _decode(
             D=head_dim,
             BLOCK_S=block_s,
             PDL=pdl,
-            num_warps=1 if block_s * head_dim <= 2048 else 4,
+            # (S, D) float32 partials in registers: at most 64 values per thread.
+            num_warps=1 if block_s * head_dim <= 2048 else 4 if block_s * head_dim <= 8192 else 8,
             launch_pdl=pdl,
         )
     return out
@@ -904,6 +938,7 @@ def prefill_attention(
     """
     window = _checked_window(window)
     num_tokens, num_heads, head_dim = q.shape
+    _check_head_dim(head_dim)
     num_kv_heads = k.shape[1]
     batch = seq_lens.shape[0]
     for t in (q, k, v):

@@ -19,6 +19,11 @@ Owns: nothing numerical of ours. Compiled (GPU) kernels never pass through here.
    even. The interpreter's float32 -> bfloat16 casts go through torch too, so
    a kernel that rounds its sums to bf16 gives on the CPU the bits the GPU
    gives (the bf16 interpreter tests compare with `reference` exactly).
+4. Dots of bfloat16 operands. The interpreter keeps bf16 values as their uint16
+   bits and multiplies those integers. The GPU's tensor cores multiply the bf16
+   values exactly and sum in float32: the operands are widened to float32 (their
+   bits shifted up, exactly) and multiplied in float32, so the bf16 attention
+   kernels can be tested on the CPU.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ def apply() -> None:
     _fix_index(interpreter)
     _fix_fp8_rounding(interpreter)
     _fix_bf16_rounding(interpreter)
+    _fix_bf16_dot(interpreter)
 
 
 def _unfixed(owner, name: str):
@@ -103,6 +109,30 @@ def _fix_bf16_rounding(interpreter) -> None:
 
     cast_impl._pagedllm_fixed = True
     builder.cast_impl = cast_impl
+
+
+def _fix_bf16_dot(interpreter) -> None:
+    import numpy as np
+    import triton.language as tl
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    original = _unfixed(builder, "create_dot")
+    if original is None:
+        return
+
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        data = (handle.data.astype(np.uint32) << 16).view(np.float32)  # exact
+        return interpreter.TensorHandle(data, tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if tl.bfloat16 in (a.dtype.scalar, b.dtype.scalar):
+            a, b = widened(a), widened(b)
+        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    create_dot._pagedllm_fixed = True
+    builder.create_dot = create_dot
 
 
 apply()

@@ -9,6 +9,11 @@ normalized, and the normalized row is rounded before the weight multiplies it
 
 `fused_add_rms_norm` writes in place: the new residual over `residual`, the
 normed row over `x`. The model never reads either input again.
+
+`rms_norm` also normalizes each head of a (T, H, D) tensor (Qwen3's and Gemma 3's
+q/k norms, weight (D,)), read in place even when it is a strided view of the
+fused QKV output (token stride != H * D): one program per (token, head) row, no
+copy first.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from pagedllm.ops.triton_pdl import pdl_start, pdl_wait, use_pdl
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr,  # (T, E)
+    x_ptr,  # (T, E), or (T, HEADS, E) with a token stride and a head stride
     res_ptr,  # (T, E), read and overwritten with x + residual when HAS_RESIDUAL
     w_ptr,  # (E,)
     out_ptr,  # (T, E)
@@ -31,6 +36,8 @@ def _rms_norm_kernel(
     stride_out,
     E,
     eps,
+    HEADS,  # rows per token of x (1: a plain (T, E); specialized, so no division)
+    stride_xh,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,  # a programmatic dependent launch (ops/triton_pdl.py)
@@ -40,7 +47,8 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < E
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    x_row = x_ptr + (row // HEADS) * stride_x + (row % HEADS) * stride_xh
+    x = tl.load(x_row + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like torch's add
@@ -59,11 +67,20 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch(x2, res2, weight, out2, eps, has_residual):
-    num_rows, hidden = x2.shape
+def _launch(x2, res2, weight, out2, eps, has_residual, heads=1, stride_xh=0):
+    """One program per row of out2 (T * heads, E); x2 is (T, E), or with heads > 1
+    (T, heads, E) read through its token and head strides."""
+    num_rows, hidden = out2.shape
     block = triton.next_power_of_2(hidden)
-    # 16 bytes per thread per load at E=2048 bf16 with 8 warps.
-    num_warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
+    # 16 bytes per thread per load at E=2048 bf16 with 8 warps. Rows of one head
+    # (D = 64-256: q/k norms) get one or two warps: 8 bf16 values per thread at
+    # D=256 instead of 2 (four warps mostly idle, one program per head row).
+    if block <= 256:
+        num_warps = 1
+    elif block <= 512:
+        num_warps = 2
+    else:
+        num_warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
     pdl = use_pdl(x2)
     _rms_norm_kernel[(num_rows,)](
         x2,
@@ -75,6 +92,8 @@ def _launch(x2, res2, weight, out2, eps, has_residual):
         out2.stride(0),
         hidden,
         eps,
+        heads,
+        stride_xh,
         HAS_RESIDUAL=has_residual,
         BLOCK=block,
         PDL=pdl,
@@ -84,13 +103,20 @@ def _launch(x2, res2, weight, out2, eps, has_residual):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """See `reference.rms_norm`. (..., E) -> (..., E), a new tensor."""
-    x2 = _as_rows(x)
+    """See `reference.rms_norm`. (..., E) -> (..., E), a new contiguous tensor. A
+    (T, H, D) x with a contiguous last dim (a per-head norm over a strided view of
+    the fused QKV output) is read where it lies."""
     out_dtype = torch.promote_types(x.dtype, weight.dtype)  # as `weight * normed` would
-    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
-    if x2.shape[0] > 0:
-        _launch(x2, x2, weight, out, eps, has_residual=False)
-    return out.view(x.shape)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if x.numel() == 0:
+        return out
+    out2 = out.view(-1, x.shape[-1])
+    if x.dim() == 3 and x.stride(-1) == 1:
+        _launch(x, x, weight, out2, eps, False, heads=x.shape[1], stride_xh=x.stride(1))
+    else:
+        x2 = _as_rows(x)
+        _launch(x2, x2, weight, out2, eps, has_residual=False)
+    return out
 
 
 def fused_add_rms_norm(
