@@ -463,3 +463,107 @@ def test_tile_configs_fit_an_h200s_shared_memory():
             q_bytes = 16 * head_dim * max(2, dtype.itemsize)
             assert q_bytes + stages * 2 * bn * head_dim * dtype.itemsize <= limit
             assert 16 * head_dim // (32 * warps) <= 64  # float32 accumulator per thread
+
+
+# --------------------------------------------------------------------------
+# GELU (tanh) gated MLP: Gemma's GeGLU
+# --------------------------------------------------------------------------
+
+
+def torch_geglu(x: torch.Tensor) -> torch.Tensor:
+    """transformers' Gemma MLP activation on [gate | up], in float64."""
+    gate, up = x.double().chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
+def assert_bf16_at_most_one_step(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 results rounded as the reference rounds them: equal bits, except a few
+    one bf16 step apart (a float32 value a hair from a rounding boundary)."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    diff = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+    assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= max(1, got.numel() // 500)
+
+
+def test_reference_gelu_tanh_and_mul(gen):
+    x = torch.randn(5, 2 * 300, generator=gen) * 3
+    out = ref.gelu_tanh_and_mul(x)
+    assert out.shape == (5, 300) and rel_err(out, torch_geglu(x)) < 1e-6
+    # not the exact (erf) GELU, and not SiLU
+    gate, up = x.chunk(2, dim=-1)
+    assert rel_err(out, torch.nn.functional.gelu(gate) * up) > 1e-5
+    assert rel_err(out, ref.silu_and_mul(x)) > 1e-2
+    w = torch.randn(2 * 24, 40, generator=gen)
+    h = torch.randn(3, 40, generator=gen)
+    assert (
+        rel_err(ref.linear_gelu_tanh_and_mul(h, w), torch_geglu(h.double() @ w.double().T)) < 1e-5
+    )
+    xb = x.bfloat16()  # rounded as transformers' bf16 Gemma: gelu in float32, then to bf16
+    gate, up = xb.chunk(2, dim=-1)
+    want = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    assert torch.equal(ref.gelu_tanh_and_mul(xb), want)
+
+
+def assert_geglu_close(out: torch.Tensor, x: torch.Tensor) -> None:
+    """out against the reference on the same x: within its two roundings, and the
+    float32 sum 1 + tanh(u), of the exact value everywhere; in 16 bits the same
+    bits as the reference almost everywhere.
+
+    The kernel's tanh is not torch's: where 1 + tanh(u) cancels (gates below about
+    -3) an ulp of tanh, 6e-8, is large against gelu, so those tiny values differ
+    in their bits (by ~0.5 |gate| ulps of 1: 1e-7 * |gate * up| at most here)."""
+    want = ref.gelu_tanh_and_mul(x)
+    assert out.shape == want.shape and out.dtype == want.dtype == x.dtype
+    exact = torch_geglu(x)
+    gate, up = x.double().chunk(2, dim=-1)
+    step = {torch.float32: 2**-23, torch.float16: 2**-11, torch.bfloat16: 2**-8}[x.dtype]
+    tol = 2 * step * exact.abs() + 1e-7 * (gate * up).abs() + 2**-24 * (1 + up.abs())
+    assert ((out.double() - exact).abs() <= tol).all()
+    if x.dtype != torch.float32:  # where 1 + tanh does not cancel: the same bits
+        assert (out != want)[gate > -3].float().mean() < 0.01
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_gelu_tanh_and_mul(gen, dtype):
+    """Gates over GELU's whole range (saturated at both ends: 0 and the gate
+    itself), and a strided [gate | up] view."""
+    x = torch.randn(3, 2 * 1500, generator=gen) * 3
+    x[0, :12] = torch.tensor([-60.0, -20, -9, -6, -5.2, -5.0, -1e-4, 0, 1e-4, 5, 9, 60])
+    x = x.to(dtype)
+    out = tri.gelu_tanh_and_mul(x)
+    assert_geglu_close(out, x)
+    assert torch.equal(out[0, :2], torch.zeros_like(out[0, :2]))  # gelu(-60), gelu(-20)
+    assert torch.equal(out[0, 10:12], ref.gelu_tanh_and_mul(x)[0, 10:12])  # gelu(g) = g: 9, 60
+    wide = torch.randn(2, 3 * 200, generator=gen).to(dtype)[:, :400]  # row stride 600
+    assert_geglu_close(tri.gelu_tanh_and_mul(wide), wide)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 64, 300), (1, 38, 100), (3, 40, 70)])
+def test_triton_linear_gelu_tanh_and_mul(gen, dtype, m, n, k, monkeypatch):
+    """One row: the GEMV with GeGLU in its epilogue (the kernel's ACT); more rows
+    (and its fallback): a matmul then the GeGLU kernel. Both as the reference
+    rounds them. The SwiGLU GEMV still computes SiLU."""
+    from pagedllm.ops import triton_gemv
+
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    real, acts = triton_gemv.gemv, []
+
+    def recording_gemv(*args, **kwargs):
+        acts.append(kwargs.get("act"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_gemv, "gemv", recording_gemv)
+    for fused, reference in [
+        (tri.linear_gelu_tanh_and_mul, ref.linear_gelu_tanh_and_mul),
+        (tri.linear_silu_and_mul, ref.linear_silu_and_mul),
+    ]:
+        out, want = fused(x, w), reference(x, w)
+        assert out.shape == (m, n // 2)
+        if dtype == torch.bfloat16:  # the projection's sums in another order
+            assert_bf16_at_most_one_step(out, want)
+        else:
+            assert rel_err(out, want) < 1e-5
+    assert acts == (["gelu_tanh", None] if m == 1 else [])  # silu: the default act

@@ -57,6 +57,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate.float()).to(x.dtype) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU's gate (Gemma): (T, 2I) laid out [gate | up] -> gelu_tanh(gate) * up,
+    (T, I). GELU with the tanh approximation, 0.5 g (1 + tanh(sqrt(2/pi) (g +
+    0.044715 g^3))), as transformers' `gelu_pytorch_tanh`; rounded as silu_and_mul."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate.float(), approximate="tanh").to(x.dtype) * up
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """A projection, x (T, in) @ weight.T -> (T, out); weight is HF's (out, in)."""
     return torch.nn.functional.linear(x, weight)
@@ -71,6 +79,12 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The MLP's first half: silu_and_mul(x (T, E) @ weight.T), weight (2I, E) laid
     out [gate | up] -> (T, I)."""
     return silu_and_mul(linear(x, weight))
+
+
+def linear_gelu_tanh_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Gemma's MLP first half: gelu_tanh_and_mul(x (T, E) @ weight.T), weight (2I, E)
+    laid out [gate | up] -> (T, I)."""
+    return gelu_tanh_and_mul(linear(x, weight))
 
 
 # --------------------------------------------------------------------------

@@ -9,12 +9,13 @@ kernel gives each program BLOCK_N whole rows of W, walks K in BLOCK_K chunks
 and keeps a (BLOCK_N, BLOCK_K) float32 accumulator of elementwise products,
 summed across K once at the end: one pass over W, no split-K, no reduce.
 
-Owns: `linear(x, weight)` (the op `reference.linear`) and
+Owns: `linear(x, weight)` (the op `reference.linear`),
 `linear_silu_and_mul(x, weight)` (`reference.linear_silu_and_mul`: the gate/up
 projection with SwiGLU in its epilogue, so a single row's (1, 2I) gate_up is
-never written and the down projection reads a plain (1, I) row). For the
-second, a program takes, for each of its output columns j, gate row j and up row
-I + j side by side, and applies silu(gate) * up to the two sums. Rows beyond
+never written and the down projection reads a plain (1, I) row) and its GeGLU
+twin `linear_gelu_tanh_and_mul` (Gemma; the same kernel, another activation).
+For these, a program takes, for each of its output columns j, gate row j and up
+row I + j side by side, and applies act(gate) * up to the two sums. Rows beyond
 GEMV_MAX_ROWS, other dtypes and non-contiguous weights go to cuBLAS
 (`F.linear`). Does not own: the numerics, which are the reference's up to
 float32 summation order.
@@ -32,7 +33,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.ops import triton_interpret_fix  # noqa: F401  (CPU interpreter + NumPy 2.4)
-from pagedllm.ops.triton_act import silu_and_mul
+from pagedllm.ops.triton_act import ACTIVATIONS, activation, gelu_tanh_and_mul, silu_and_mul
 from pagedllm.ops.triton_pdl import pdl_start, pdl_wait, use_pdl
 
 # x rows up to which the GEMV serves: at 2 and 4 rows cuBLAS was as fast or faster
@@ -73,10 +74,11 @@ def _gemv_kernel(
     stride_w,
     stride_out,
     M: tl.constexpr,
-    GLU: tl.constexpr,  # out = silu(x @ gate.T) * (x @ up.T), as reference.silu_and_mul rounds it
+    GLU: tl.constexpr,  # out = act(x @ gate.T) * (x @ up.T), as reference.silu_and_mul rounds it
     BLOCK_N: tl.constexpr,  # rows of W per program
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent of the kernel before it
+    ACT: tl.constexpr = "silu",  # with GLU: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
 ):
     pdl_start(PDL)  # ops/triton_pdl.py
     pid = tl.program_id(0)
@@ -112,8 +114,8 @@ def _gemv_kernel(
     if GLU:
         gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))  # each rounded as cuBLAS's output
         g = gate.to(dtype).to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(dtype)
-        out = (silu.to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
+        act = activation(g, ACT).to(dtype)
+        out = (act.to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
         j = (pid // M) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(out_row + j, out, mask=j < half)
     else:
@@ -126,12 +128,16 @@ def gemv(
     glu: bool = False,
     config: tuple[int, int, int] | None = None,
     pdl: bool | None = None,
+    act: str = "silu",
 ) -> torch.Tensor:
     """x (M, K) -> (M, N) = x @ weight.T, weight (N, K); with `glu`, weight is
-    (2I, K) laid out [gate | up] and the result (M, I) is silu(x @ gate.T) *
-    (x @ up.T). `config`: (BLOCK_N, BLOCK_K, num_warps), default `config_for(N,
-    K)`; BLOCK_N is rows of W per program (even with `glu`). `pdl`: launch as a
-    programmatic dependent (ops/triton_pdl.py); None: `use_pdl(x)`."""
+    (2I, K) laid out [gate | up] and the result (M, I) is act(x @ gate.T) *
+    (x @ up.T), `act` "silu" or "gelu_tanh". `config`: (BLOCK_N, BLOCK_K,
+    num_warps), default `config_for(N, K)`; BLOCK_N is rows of W per program
+    (even with `glu`). `pdl`: launch as a programmatic dependent
+    (ops/triton_pdl.py); None: `use_pdl(x)`."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"activation {act!r}: choose one of {', '.join(ACTIVATIONS)}")
     n, k = weight.shape
     m = x.shape[0]
     block_n, block_k, warps = config or config_for(n, k)
@@ -161,6 +167,7 @@ def gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PDL=pdl,
+        ACT=act,
         num_warps=warps,
         launch_pdl=pdl,
     )
@@ -189,3 +196,11 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if _gemv_ok(x, weight) and weight.shape[0] % 2 == 0:
         return gemv(x, weight, glu=True)
     return silu_and_mul(F.linear(x, weight))
+
+
+def linear_gelu_tanh_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """See `reference.linear_gelu_tanh_and_mul`: the same GEMV with GeGLU in its
+    epilogue for a few rows, else cuBLAS then the GeGLU kernel."""
+    if _gemv_ok(x, weight) and weight.shape[0] % 2 == 0:
+        return gemv(x, weight, glu=True, act="gelu_tanh")
+    return gelu_tanh_and_mul(F.linear(x, weight))

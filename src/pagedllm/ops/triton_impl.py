@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import triton  # noqa: F401  (an ImportError here means "no Triton" to the dispatcher)
 
-from pagedllm.ops.triton_act import silu_and_mul
+from pagedllm.ops.triton_act import gelu_tanh_and_mul, silu_and_mul
 from pagedllm.ops.triton_argmax import argmax
 from pagedllm.ops.triton_attention import (
     decode_attention,
     prefill_attention,
     rope_store_decode_attention,
 )
-from pagedllm.ops.triton_gemv import linear, linear_silu_and_mul
+from pagedllm.ops.triton_gemv import linear, linear_gelu_tanh_and_mul, linear_silu_and_mul
 from pagedllm.ops.triton_kv import embedding, store_kvcache
 from pagedllm.ops.triton_norm import fused_add_rms_norm, rms_norm
 from pagedllm.ops.triton_rope import apply_rope, rope_and_store
@@ -31,8 +31,10 @@ __all__ = [
     "rms_norm",
     "fused_add_rms_norm",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
     "linear",
     "linear_silu_and_mul",
+    "linear_gelu_tanh_and_mul",
     "apply_rope",
     "store_kvcache",
     "rope_and_store",
