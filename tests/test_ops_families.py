@@ -567,3 +567,45 @@ def test_triton_linear_gelu_tanh_and_mul(gen, dtype, m, n, k, monkeypatch):
         else:
             assert rel_err(out, want) < 1e-5
     assert acts == (["gelu_tanh", None] if m == 1 else [])  # silu: the default act
+
+
+# --------------------------------------------------------------------------
+# Qwen2's q/k/v bias, added inside the projection
+# --------------------------------------------------------------------------
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3])
+def test_linear_with_bias(gen, dtype, m, monkeypatch):
+    """`linear(x, w, bias=b)` is nn.Linear's: the bias joins the float32 sums before
+    their one rounding (the one-row GEMV adds it in its epilogue), which an add
+    after the projection would not give in bf16."""
+    from pagedllm.ops import triton_gemv
+
+    x = torch.randn(m, 96, generator=gen).to(dtype)
+    w = (torch.randn(40, 96, generator=gen) / 10).to(dtype)
+    b = (torch.randn(40, generator=gen) * 3).to(dtype)
+    layer = torch.nn.Linear(96, 40, dtype=dtype)
+    with torch.no_grad():
+        layer.weight.copy_(w), layer.bias.copy_(b)
+        want = layer(x)
+    assert torch.equal(ref.linear(x, w, bias=b), want)
+    real, biased = triton_gemv.gemv, []
+
+    def recording_gemv(*args, **kwargs):
+        biased.append(kwargs.get("bias") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_gemv, "gemv", recording_gemv)
+    out = tri.linear(x, w, bias=b)
+    assert biased == ([True] if m == 1 else [])
+    if dtype == torch.bfloat16:
+        assert_bf16_at_most_one_step(out, want)
+        twice = ref.linear(x, w) + b  # rounded twice: often a step off
+        assert (twice != want).sum() > (out != want).sum()
+    else:
+        assert rel_err(out, want) < 1e-6
+    assert torch.equal(tri.linear(x, w), real(x, w) if m == 1 else ref.linear(x, w))
+    with pytest.raises(ValueError, match="takes no bias"):
+        real(x[:1], w, glu=True, bias=b)

@@ -65,9 +65,13 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate.float(), approximate="tanh").to(x.dtype) * up
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """A projection, x (T, in) @ weight.T -> (T, out); weight is HF's (out, in)."""
-    return torch.nn.functional.linear(x, weight)
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A projection, x (T, in) @ weight.T -> (T, out); weight is HF's (out, in).
+    `bias` (out,), when given (Qwen2's q/k/v), is added to the float32 sums before
+    their one rounding, as `nn.Linear` does (an add after would round twice)."""
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

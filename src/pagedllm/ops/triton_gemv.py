@@ -68,6 +68,7 @@ def _gemv_kernel(
     x_ptr,  # (M, K)
     w_ptr,  # (N, K), rows contiguous; with GLU, N = 2I laid out [gate | up]
     out_ptr,  # (M, N), or (M, N / 2) with GLU
+    b_ptr,  # HAS_BIAS: (N,), added to the sums before their rounding
     N,
     K,
     stride_x,
@@ -79,6 +80,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent of the kernel before it
     ACT: tl.constexpr = "silu",  # with GLU: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    HAS_BIAS: tl.constexpr = False,  # not with GLU
 ):
     pdl_start(PDL)  # ops/triton_pdl.py
     pid = tl.program_id(0)
@@ -109,6 +111,8 @@ def _gemv_kernel(
         w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)  # (BLOCK_N,)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     out_row = out_ptr + m.to(tl.int64) * stride_out
     if GLU:
@@ -129,15 +133,19 @@ def gemv(
     config: tuple[int, int, int] | None = None,
     pdl: bool | None = None,
     act: str = "silu",
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x (M, K) -> (M, N) = x @ weight.T, weight (N, K); with `glu`, weight is
     (2I, K) laid out [gate | up] and the result (M, I) is act(x @ gate.T) *
     (x @ up.T), `act` "silu" or "gelu_tanh". `config`: (BLOCK_N, BLOCK_K,
     num_warps), default `config_for(N, K)`; BLOCK_N is rows of W per program
     (even with `glu`). `pdl`: launch as a programmatic dependent
-    (ops/triton_pdl.py); None: `use_pdl(x)`."""
+    (ops/triton_pdl.py); None: `use_pdl(x)`. `bias` (N,), without `glu`: added
+    to the float32 sums before they are rounded (as `reference.linear`)."""
     if act not in ACTIVATIONS:
         raise ValueError(f"activation {act!r}: choose one of {', '.join(ACTIVATIONS)}")
+    if bias is not None and glu:
+        raise ValueError("a GEMV with an activation takes no bias")
     n, k = weight.shape
     m = x.shape[0]
     block_n, block_k, warps = config or config_for(n, k)
@@ -157,6 +165,7 @@ def gemv(
         x,
         weight,
         out,
+        bias if bias is not None else weight,  # a dummy when there is none
         n,
         k,
         x.stride(0),
@@ -168,6 +177,7 @@ def gemv(
         BLOCK_K=block_k,
         PDL=pdl,
         ACT=act,
+        HAS_BIAS=bias is not None,
         num_warps=warps,
         launch_pdl=pdl,
     )
@@ -183,11 +193,16 @@ def _gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """See `reference.linear`: the GEMV for a few rows, else cuBLAS."""
-    if _gemv_ok(x, weight):
-        return gemv(x, weight)
-    return F.linear(x, weight)
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """See `reference.linear`: the GEMV for a few rows (a bias added in its
+    epilogue), else cuBLAS."""
+    if _gemv_ok(x, weight) and (
+        bias is None or (bias.dtype == x.dtype and bias.is_contiguous() and bias.dim() == 1)
+    ):
+        return gemv(x, weight, bias=bias)
+    return F.linear(x, weight, bias)
 
 
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
