@@ -232,6 +232,28 @@ def test_cutting_before_spaces_is_exact(gemma: Tokenizer, text: str) -> None:
     assert gemma._spm.encode(text) == _uncut_ids(gemma, text)
 
 
+def _quadratic_merge(scores: dict[str, float], symbols: list[str]) -> list[str]:
+    """The rule as stated: merge the adjacent pair whose result scores highest
+    (leftmost on a tie) until no adjacent pair is an entry."""
+    while True:
+        best = None
+        for k in range(len(symbols) - 1):
+            score = scores.get(symbols[k] + symbols[k + 1])
+            if score is not None and (best is None or score > best[0]):
+                best = (score, k)
+        if best is None:
+            return symbols
+        k = best[1]
+        symbols[k : k + 2] = [symbols[k] + symbols[k + 1]]
+
+
+@settings(max_examples=80, deadline=None)
+@given(text=st.text(alphabet=list("aeinst ▁.,'-1日本語éü😀\n"), max_size=60))
+def test_heap_merge_equals_the_quadratic_rule(gemma: Tokenizer, text: str) -> None:
+    spm = gemma._spm
+    assert spm.merge(list(text)) == _quadratic_merge(spm.scores, list(text))
+
+
 def test_crossing_entry_is_kept_whole(gemma: Tokenizer) -> None:
     crossing = gemma.token_to_id(">" + SPACE + "</")
     assert crossing is not None

@@ -20,7 +20,8 @@ Where BOS comes from (for `encode(..., add_special_tokens=True)`), first match w
    nothing, a bug Meta later fixed with `TemplateProcessing`, and llama.cpp
    adds BOS for every `llama-bpe` model.
 For GGUF: `tokenizer.ggml.add_bos_token` if present, else the default of the
-`tokenizer.ggml.pre` type (Llama 3: yes; gpt2, smollm: no).
+`tokenizer.ggml.pre` type (Llama 3: yes; gpt2, smollm, qwen2: no), and yes for
+a SentencePiece vocabulary (`tokenizer.ggml.model = "llama"`), as llama.cpp.
 """
 
 from __future__ import annotations
