@@ -128,7 +128,8 @@ def model_tensors(model: LlamaModel) -> dict[str, torch.Tensor]:
     for i, layer in enumerate(model.layers):
         for field in layer.__dataclass_fields__:
             w = getattr(layer, field)
-            out[f"{i}.{field}"] = w.weight if isinstance(w, Linear) else w
+            if w is not None:  # another family's weights (a Qwen2 bias, Gemma's norms)
+                out[f"{i}.{field}"] = w.weight if isinstance(w, Linear) else w
     out["rope"] = model.cos_sin_cache
     return out
 

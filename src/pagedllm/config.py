@@ -24,8 +24,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM",)
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+# The families one engine runs (docs/architecture.md, "One engine, five families"):
+# each differs from Llama in a few switches of `ModelConfig`.
+HF_ARCHITECTURE_FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+}
+HF_MODEL_TYPE_FAMILIES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+}
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+SUPPORTED_HF_ARCHITECTURES = tuple(HF_ARCHITECTURE_FAMILIES)
+# Mistral's GGUF files say "llama" (same tensors; llama.cpp keeps no sliding window).
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+ACTIVATIONS = ("silu", "gelu_tanh")
+# Gemma 3's GGUF holds the window but not which layers use it, nor their RoPE base:
+# llama.cpp's defaults (llama-model.cpp, LLM_ARCH_GEMMA3): every 6th layer is global,
+# the others windowed with RoPE base 10,000.
+GEMMA3_GGUF_SLIDING_PATTERN = 6
+GEMMA3_GGUF_LOCAL_ROPE_THETA = 10000.0
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 # More positions than any released model declares (Llama 4 Scout: 10M < 2**24); a
 # larger number is a corrupt file, and would make position-sized tables enormous.
@@ -60,6 +84,19 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # Sampling defaults shipped with the model (generation_config.json), if any.
     generation_defaults: tuple[tuple[str, Any], ...] = ()
+    # How this family's decoder differs from Llama's; the defaults are Llama's.
+    family: str = "llama"  # one of FAMILIES
+    attention_bias: bool = False  # q, k and v projections add a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and of k, before RoPE (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # RMSNorm on attention's and the MLP's outputs too (Gemma 3)
+    hidden_act: str = "silu"  # the MLP gate: silu (SwiGLU) or gelu_tanh (GeGLU: Gemma 3)
+    embedding_scale: float = 1.0  # embeddings times this (Gemma 3: sqrt(hidden_size))
+    query_scale: float | None = None  # attention's scale; None: head_dim ** -0.5
+    # Per layer: 0 = attends to every earlier position, W > 0 = to the last W only
+    # (Mistral, Gemma 3's local layers). Empty: no windows.
+    layer_windows: tuple[int, ...] = ()
+    local_rope_theta: float | None = None  # RoPE base of the windowed layers (Gemma 3)
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
         """The last line of defence, for configs built in code: every field checked.
@@ -89,6 +126,34 @@ class ModelConfig:
             _as_int(self.bos_token_id, "bos_token_id", where, 0, self.vocab_size - 1)
         for token_id in self.eos_token_ids:
             _as_int(token_id, "eos_token_ids", where, 0, self.vocab_size - 1)
+        if self.family not in FAMILIES:
+            _fail(where, "family", self.family, f"one of {', '.join(FAMILIES)}")
+        if self.hidden_act not in ACTIVATIONS:
+            _fail(where, "hidden_act", self.hidden_act, f"one of {', '.join(ACTIVATIONS)}")
+        for name in ("attention_bias", "qk_norm", "sandwich_norms"):
+            _as_bool(getattr(self, name), name, where)
+        _as_float(self.embedding_scale, "embedding_scale", where, positive=True)
+        for name in ("query_scale", "local_rope_theta", "final_logit_softcap"):
+            if getattr(self, name) is not None:
+                _as_float(getattr(self, name), name, where, positive=True)
+        if self.layer_windows:
+            if len(self.layer_windows) != self.num_hidden_layers:
+                _fail(
+                    where,
+                    "layer_windows",
+                    self.layer_windows,
+                    f"one window per layer ({self.num_hidden_layers})",
+                )
+            for w in self.layer_windows:
+                _as_int(w, "layer_windows", where, minimum=0)
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window: 0 = none (full causal attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def attention_scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
 
     @property
     def q_size(self) -> int:
@@ -132,21 +197,42 @@ class ModelConfig:
             _fail(source, "architectures", archs, 'a list of names such as ["LlamaForCausalLM"]')
         archs = archs or []
         model_type = cfg.get("model_type")
-        if archs and not any(a in SUPPORTED_HF_ARCHITECTURES for a in archs):
+        known = [HF_ARCHITECTURE_FAMILIES[a] for a in archs if a in HF_ARCHITECTURE_FAMILIES]
+        if archs and not known:
+            hint = ""
+            if any(a.startswith("Gemma3ForConditionalGeneration") for a in archs):
+                hint = " (Gemma 3's multimodal checkpoint: pagedllm runs the text model only)"
             raise ValueError(
                 f"{source}: architecture {archs} is not supported; "
-                f"pagedllm runs {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
+                f"pagedllm runs {', '.join(SUPPORTED_HF_ARCHITECTURES)}{hint}"
             )
-        if not archs and model_type != "llama":
+        if not archs and model_type not in HF_MODEL_TYPE_FAMILIES:
             raise ValueError(
-                f"{source}: model_type {model_type!r} is not supported; pagedllm runs 'llama'"
+                f"{source}: model_type {model_type!r} is not supported; pagedllm runs "
+                f"{', '.join(map(repr, HF_MODEL_TYPE_FAMILIES))}"
             )
-        for key in ("attention_bias", "mlp_bias"):
-            if _as_bool(cfg.get(key, False), key, source):
-                raise ValueError(f"{source}: {key}=true is not supported (Llama has no biases)")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"{source}: hidden_act {act!r} is not supported; only 'silu'")
+        family = known[0] if known else HF_MODEL_TYPE_FAMILIES[model_type]
+        gemma = family == "gemma3"
+        # Qwen2's q/k/v projections always carry a bias (o_proj none); the other
+        # families' `attention_bias` would put one on o_proj too, which we do not run.
+        if _as_bool(cfg.get("attention_bias", False), "attention_bias", source):
+            raise ValueError(
+                f"{source}: attention_bias=true is not supported for {family} "
+                "(only Qwen2's q/k/v biases are)"
+            )
+        if _as_bool(cfg.get("mlp_bias", False), "mlp_bias", source):
+            raise ValueError(f"{source}: mlp_bias=true is not supported (no family we run has it)")
+        act_key = "hidden_activation" if gemma and "hidden_activation" in cfg else "hidden_act"
+        act = _HF_ACTIVATIONS.get(cfg.get(act_key, "silu"))
+        if act is None or (act != "silu" and not gemma):
+            raise ValueError(
+                f"{source}: {act_key} {cfg.get(act_key)!r} is not supported; "
+                + ("'gelu_pytorch_tanh' for Gemma 3" if gemma else "only 'silu'")
+            )
+        if cfg.get("attn_logit_softcapping") is not None:
+            raise ValueError(
+                f"{source}: attn_logit_softcapping is not supported (Gemma 2 has it; Gemma 3 not)"
+            )
 
         def required(key: str) -> Any:
             if key not in cfg:
@@ -174,14 +260,28 @@ class ModelConfig:
             if cfg.get(key) is not None and not isinstance(cfg[key], dict):
                 _fail(source, key, cfg[key], "an object or null")
         rope_parameters = cfg.get("rope_parameters") or {}
+        local_rope = None
+        if gemma and isinstance(rope_parameters.get("full_attention"), dict):
+            # transformers 5 writes Gemma 3's two RoPEs apart, by layer type.
+            local_rope = rope_parameters.get("sliding_attention") or {}
+            rope_parameters = rope_parameters["full_attention"]
         rope_scaling = _parse_rope_scaling(cfg.get("rope_scaling") or rope_parameters, source)
         rope_theta = cfg.get("rope_theta")
         if rope_theta is None:  # transformers 5 moves theta into rope_parameters
             rope_theta = rope_parameters.get("rope_theta", 10000.0)
+        local_theta = None
+        if gemma:
+            if local_rope is not None:
+                _parse_rope_scaling(local_rope, source)  # refuses what we cannot run
+                local_theta = local_rope.get("rope_theta", 10000.0)
+            else:
+                local_theta = cfg.get("rope_local_base_freq", 10000.0)
+            local_theta = _as_float(local_theta, "rope_local_base_freq", source, positive=True)
 
         # A token id names a row of the embeddings: one past them (10**12, say) is a
         # corrupt file, and would index past the logits when EOS is masked.
         vocab = _as_int(required("vocab_size"), "vocab_size", source)
+        num_layers = _as_int(required("num_hidden_layers"), "num_hidden_layers", source)
         eos = _id_list(cfg.get("eos_token_id"), "eos_token_id", source, vocab)
         bos = cfg.get("bos_token_id")
         bos_key = "bos_token_id"
@@ -213,7 +313,7 @@ class ModelConfig:
             vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=_as_int(required("intermediate_size"), "intermediate_size", source),
-            num_hidden_layers=_as_int(required("num_hidden_layers"), "num_hidden_layers", source),
+            num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
@@ -235,6 +335,32 @@ class ModelConfig:
             bos_token_id=None if bos is None else _as_token_id(bos, bos_key, source, vocab),
             eos_token_ids=tuple(eos),
             generation_defaults=tuple(sorted(gen_defaults.items())),
+            family=family,
+            attention_bias=family == "qwen2",
+            qk_norm=family in ("qwen3", "gemma3"),
+            sandwich_norms=gemma,
+            hidden_act=act,
+            embedding_scale=hidden**0.5 if gemma else 1.0,
+            query_scale=(
+                _as_float(
+                    optional("query_pre_attn_scalar", head_dim),
+                    "query_pre_attn_scalar",
+                    source,
+                    positive=True,
+                )
+                ** -0.5
+                if gemma
+                else None
+            ),
+            layer_windows=_hf_layer_windows(cfg, family, num_layers, source),
+            local_rope_theta=local_theta,
+            final_logit_softcap=(
+                None
+                if cfg.get("final_logit_softcapping") is None
+                else _as_float(
+                    cfg["final_logit_softcapping"], "final_logit_softcapping", source, positive=True
+                )
+            ),
         )
 
     # ---------------------------------------------------------------- GGUF
@@ -314,6 +440,25 @@ class ModelConfig:
         eos = _id_list(md.get("tokenizer.ggml.eos_token_id"), "tokenizer.ggml.eos_token_id", source)
         eot = md.get("tokenizer.ggml.eot_token_id")
         eos = _merge_ids(eos, _id_list(eot, "tokenizer.ggml.eot_token_id", source))
+        gemma = arch == "gemma3"
+        layers = count("block_count")
+        windows: tuple[int, ...] = ()
+        if gemma:
+            # A Gemma chat turn ends with <end_of_turn>, which the GGUF does not name
+            # as EOS or EOT (HF's generation_config.json lists both, 1 and 106).
+            tokens = md.get("tokenizer.ggml.tokens")
+            if isinstance(tokens, list) and "<end_of_turn>" in tokens:
+                eos = _merge_ids(eos, [tokens.index("<end_of_turn>")])
+            window = get("attention.sliding_window", None)
+            if window is not None:
+                window = _as_int(window, f"{arch}.attention.sliding_window", source)
+                pattern = GEMMA3_GGUF_SLIDING_PATTERN
+                windows = tuple(0 if (i + 1) % pattern == 0 else window for i in range(layers))
+            if rope_scaling is not None:
+                raise ValueError(
+                    f"{source}: Gemma 3 with RoPE scaling (the 4B-27B models' global layers) "
+                    "is not supported yet"
+                )
         # An id past the vocabulary is ignored, as llama.cpp (and our GGUF tokenizer) do.
         eos = [i for i in eos if i < vocab]
         bos = md.get("tokenizer.ggml.bos_token_id")
@@ -325,7 +470,7 @@ class ModelConfig:
             vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=count("feed_forward_length"),
-            num_hidden_layers=count("block_count"),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
@@ -338,6 +483,19 @@ class ModelConfig:
             if bos is None
             else _as_int(bos, "tokenizer.ggml.bos_token_id", source, minimum=0),
             eos_token_ids=tuple(eos),
+            family=arch if arch != "llama" else "llama",
+            attention_bias=arch == "qwen2",
+            qk_norm=arch in ("qwen3", "gemma3"),
+            sandwich_norms=gemma,
+            hidden_act="gelu_tanh" if gemma else "silu",
+            embedding_scale=hidden**0.5 if gemma else 1.0,
+            # llama.cpp's Gemma 3 scale: 1/sqrt(head size), but 1/sqrt(hidden/heads) for
+            # the 27B model (62 layers), whose query_pre_attn_scalar is hidden/heads.
+            query_scale=(
+                (hidden // heads if layers == 62 else head_dim) ** -0.5 if gemma else None
+            ),
+            layer_windows=windows if any(windows) else (),
+            local_rope_theta=GEMMA3_GGUF_LOCAL_ROPE_THETA if gemma else None,
         )
 
 
@@ -428,6 +586,46 @@ def _gguf_vocab_size(md: dict[str, Any], arch: str, source: str) -> int:
     if not isinstance(tokens, list) or not tokens:
         _fail(source, "tokenizer.ggml.tokens", tokens, "a non-empty array of strings")
     return len(tokens)
+
+
+_HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def _hf_layer_windows(cfg: dict[str, Any], family: str, num_layers: int, source: str) -> tuple:
+    """Each layer's sliding window (0: none) from an HF config, as transformers reads it:
+    `layer_types` when the file has them (transformers 5 writes them); otherwise
+    Mistral windows every layer when `sliding_window` is set, Qwen2/3 the layers from
+    `max_window_layers` on when `use_sliding_window` is true, and Gemma 3 all but every
+    `sliding_window_pattern`-th (6) layer."""
+    window = cfg.get("sliding_window")
+    if family == "llama" or window is None:
+        return ()
+    window = _as_int(window, "sliding_window", source)
+    if family in ("qwen2", "qwen3") and not _as_bool(
+        cfg.get("use_sliding_window", False), "use_sliding_window", source
+    ):
+        return ()
+    types = cfg.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != num_layers:
+            _fail(source, "layer_types", types, f"a list of {num_layers} layer types")
+        for t in types:
+            if t not in ("full_attention", "sliding_attention"):
+                _fail(source, "layer_types", t, "'full_attention' or 'sliding_attention'")
+        windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    elif family == "mistral":
+        windows = (window,) * num_layers
+    elif family == "gemma3":
+        pattern = _as_int(
+            cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)),
+            "sliding_window_pattern",
+            source,
+        )
+        windows = tuple(0 if (i + 1) % pattern == 0 else window for i in range(num_layers))
+    else:
+        first = _as_int(cfg.get("max_window_layers", 0), "max_window_layers", source, minimum=0)
+        windows = tuple(window if i >= first else 0 for i in range(num_layers))
+    return windows if any(windows) else ()
 
 
 def _read_json(path: Path) -> Any:

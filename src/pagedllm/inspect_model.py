@@ -81,7 +81,9 @@ def _inspect_gguf(path: Path) -> dict[str, Any]:
             tensors.append(
                 {
                     "name": name,
-                    "hf_name": None if name in IGNORED_TENSORS else hf_name(name),
+                    "hf_name": None
+                    if name in IGNORED_TENSORS
+                    else hf_name(name, meta["general.architecture"]),
                     "shape": list(t.shape),  # torch order: (out, in) for a matrix
                     "type": t.type_name,
                     "offset": t.offset,  # absolute, in the file

@@ -54,13 +54,22 @@ class Linear:
 
     forward = __call__
 
-    def then_silu_and_mul(self, x: torch.Tensor, impl: ModuleType) -> torch.Tensor:
-        """silu_and_mul of this projection (gate and up stacked, [gate | up]):
-        (T, in) -> (T, out / 2). On CUDA one op (`linear_silu_and_mul`: Triton puts
-        SwiGLU in a single row's GEMV epilogue)."""
+    def then_act_and_mul(
+        self, x: torch.Tensor, impl: ModuleType, act: str = "silu"
+    ) -> torch.Tensor:
+        """act(gate) * up of this projection (gate and up stacked, [gate | up]):
+        (T, in) -> (T, out / 2). `act`: "silu" (SwiGLU) or "gelu_tanh" (GeGLU,
+        Gemma 3). On CUDA one op (`linear_silu_and_mul` or
+        `linear_gelu_tanh_and_mul`: Triton puts the gate in a single row's GEMV
+        epilogue)."""
         if not self.transposed:
-            return impl.linear_silu_and_mul(x, self.stored)
-        return impl.silu_and_mul(self(x))
+            fused = impl.linear_silu_and_mul if act == "silu" else impl.linear_gelu_tanh_and_mul
+            return fused(x, self.stored)
+        return (impl.silu_and_mul if act == "silu" else impl.gelu_tanh_and_mul)(self(x))
+
+    def then_silu_and_mul(self, x: torch.Tensor, impl: ModuleType) -> torch.Tensor:
+        """`then_act_and_mul` with SiLU (Llama's SwiGLU)."""
+        return self.then_act_and_mul(x, impl, "silu")
 
     @property
     def weight(self) -> torch.Tensor:

@@ -43,9 +43,15 @@ class LayerWeights:
     input_norm: torch.Tensor  # (E,)
     qkv_proj: Linear  # (H*D + 2*Hkv*D, E): q, k and v stacked at load time
     o_proj: Linear  # (E, H*D)
-    post_norm: torch.Tensor  # (E,)
+    post_norm: torch.Tensor  # (E,): the norm before the MLP
     gate_up_proj: Linear  # (2*I, E): gate and up stacked at load time
     down_proj: Linear  # (E, I)
+    # What other families add (None: Llama has none of them).
+    qkv_bias: torch.Tensor | None = None  # (H*D + 2*Hkv*D,): Qwen2
+    q_norm: torch.Tensor | None = None  # (D,): RMSNorm of each query head (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None  # (D,): and of each key head
+    attn_out_norm: torch.Tensor | None = None  # (E,): Gemma 3, on attention's output
+    mlp_out_norm: torch.Tensor | None = None  # (E,): Gemma 3, on the MLP's output
 
 
 class LlamaModel:
@@ -82,7 +88,13 @@ class LlamaModel:
         self.source_path = None  # the file or directory it was loaded from, if any
         self.device = embed_tokens.device
         self.dtype = embed_tokens.dtype
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale  # head_dim ** -0.5, or Gemma's query_pre_attn_scalar
+        # Gemma: the embeddings times sqrt(E), rounded to the model's dtype as HF does.
+        self.embed_scale = (
+            None
+            if config.embedding_scale == 1.0
+            else torch.tensor(config.embedding_scale, dtype=self.dtype, device=self.device)
+        )
         # The RoPE table covers the positions this model will serve: the model's own
         # limit, or fewer when the caller says so (a 1M-position config would
         # otherwise cost 1M * D * 4 bytes before the first token).
@@ -96,6 +108,12 @@ class LlamaModel:
             self.max_positions,
             device=self.device,
         )  # (P, D) float32
+        # Gemma 3's windowed layers rotate with a RoPE base of their own.
+        self.local_cos_sin_cache = None
+        if config.local_rope_theta is not None and config.layer_windows:
+            self.local_cos_sin_cache = rope_cos_sin_cache(
+                config.head_dim, config.local_rope_theta, None, self.max_positions, self.device
+            )
 
     # ------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, kv_caches: list[KVCache] | None) -> torch.Tensor:
@@ -103,6 +121,8 @@ class LlamaModel:
         impl = ops.implementation(self.device, self.ops_mode)
         cfg = self.config
         hidden = self._embed(impl, batch.input_ids)  # (T, E)
+        if self.embed_scale is not None:  # Gemma
+            hidden = hidden * self.embed_scale
         tracer = self.tracer
         if tracer is not None:
             tracer(-1, "embedding", hidden)
@@ -135,6 +155,11 @@ class LlamaModel:
         tensor parallelism (NCCL kernels in the chain)."""
         if self.tp is not None:
             return False
+        c = self.config
+        if c.attention_bias or c.qk_norm or c.sandwich_norms or self.embed_scale is not None:
+            # These families put PyTorch kernels (a bias add, a copy of q and k for
+            # their norms) between ours; not measured in a chain yet.
+            return False
         if batch.num_tokens == 1:
             return True
         return (
@@ -159,7 +184,7 @@ class LlamaModel:
         1,024 tokens skips 1/L of its prefill (L layers); a decode step loses nothing."""
         cfg = self.config
         num_tokens = batch.num_tokens
-        q_size, kv_size = cfg.q_size, cfg.kv_size
+        q_size, kv_size, d, eps = cfg.q_size, cfg.kv_size, cfg.head_dim, cfg.rms_norm_eps
         tracer = self.tracer
         residual = None
         gather = (
@@ -182,12 +207,22 @@ class LlamaModel:
                 tracer(i, "attn_norm", x)
             # 2. One matmul for Q, K and V, then views into it.
             qkv = layer.qkv_proj(x, impl)  # (T, (H + 2Hkv) D)
-            q = qkv[:, :q_size].view(num_tokens, -1, cfg.head_dim)  # (T, H, D)
-            k = qkv[:, q_size : q_size + kv_size].view(num_tokens, -1, cfg.head_dim)  # (T, Hkv, D)
-            v = qkv[:, q_size + kv_size :].view(num_tokens, -1, cfg.head_dim)  # (T, Hkv, D)
+            if layer.qkv_bias is not None:  # Qwen2
+                qkv = qkv + layer.qkv_bias
+            q = qkv[:, :q_size].view(num_tokens, -1, d)  # (T, H, D)
+            k = qkv[:, q_size : q_size + kv_size].view(num_tokens, -1, d)  # (T, Hkv, D)
+            v = qkv[:, q_size + kv_size :].view(num_tokens, -1, d)  # (T, Hkv, D)
+            if layer.q_norm is not None:  # Qwen3, Gemma 3: every head normalized on its own
+                q = impl.rms_norm(q.reshape(-1, d), layer.q_norm, eps).view(num_tokens, -1, d)
+                k = impl.rms_norm(k.reshape(-1, d), layer.k_norm, eps).view(num_tokens, -1, d)
             if tracer is not None:  # before RoPE rotates them
                 tracer(i, "q_raw", q)
                 tracer(i, "k_raw", k)
+            # Mistral, Gemma 3's local layers: attend to the last `window` positions only.
+            window = cfg.window(i)
+            cos_sin = self.cos_sin_cache
+            if window and self.local_cos_sin_cache is not None:
+                cos_sin = self.local_cos_sin_cache
             # 3. RoPE on q and k; the new K/V go into their KV-cache slots (one kernel
             #    on CUDA); then attention reads the cache through the block tables.
             #    Batch-1 decode does all of that in one kernel on CUDA, RoPE and the
@@ -196,25 +231,26 @@ class LlamaModel:
             #    trace records the rotated q and k.
             kv_cache = kv_caches[i] if kv_caches else None
             if kv_cache is None:
-                q, k = impl.apply_rope(q, k, batch.positions, self.cos_sin_cache)
-                attn = self._attention(impl, batch, q, k, v, kv_cache)
+                q, k = impl.apply_rope(q, k, batch.positions, cos_sin)
+                attn = self._attention(impl, batch, q, k, v, kv_cache, window)
             elif batch.is_decode and num_tokens == 1 and tracer is None:
                 attn = impl.rope_store_decode_attention(
                     q,
                     k,
                     v,
                     batch.positions,
-                    self.cos_sin_cache,
+                    cos_sin,
                     *kv_cache,
                     batch.slot_mapping,
                     batch.block_tables,
                     batch.seq_lens,
                     self.scale,
                     max_seq_len=batch.max_seq_len,
+                    window=window,
                 )
             else:
                 q, k = impl.rope_and_store(
-                    q, k, v, batch.positions, self.cos_sin_cache, *kv_cache, batch.slot_mapping
+                    q, k, v, batch.positions, cos_sin, *kv_cache, batch.slot_mapping
                 )
                 if i == last and gather:  # the last layer: the logits rows only
                     idx = batch.logits_indices
@@ -226,33 +262,37 @@ class LlamaModel:
                         self.scale,
                         max_seq_len=batch.max_seq_len,
                         order=batch.decode_order,
+                        window=window,
                     )  # (B, H, D)
                     residual = residual[idx]
                     num_tokens, gathered = len(idx), True
                 else:
-                    attn = self._attention(impl, batch, q, k, v, kv_cache)
+                    attn = self._attention(impl, batch, q, k, v, kv_cache, window)
             if tracer is not None:
                 for name, t in (("q", q), ("k", k), ("v", v), ("attention", attn)):
                     tracer(i, name, t)
             hidden = layer.o_proj(attn.view(num_tokens, q_size), impl)  # (T, E)
             if self.tp is not None:  # row-parallel: each rank's product is a partial sum
                 self.tp.all_reduce(hidden)
+            if layer.attn_out_norm is not None:  # Gemma 3: attention's output normalized
+                hidden = impl.rms_norm(hidden, layer.attn_out_norm, eps)
             if tracer is not None:
                 tracer(i, "o_proj", hidden)
             # 4. MLP: norm (fused with the residual add), gate/up in one matmul, SwiGLU, down.
-            x, residual = impl.fused_add_rms_norm(
-                hidden, residual, layer.post_norm, cfg.rms_norm_eps
-            )
-            if tracer is None:  # gate/up then SwiGLU: one GEMV on CUDA for one row
-                act = layer.gate_up_proj.then_silu_and_mul(x, impl)  # (T, I)
+            x, residual = impl.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
+            if tracer is None:  # gate/up then SwiGLU (GeGLU: Gemma): one GEMV on CUDA for one row
+                act = layer.gate_up_proj.then_act_and_mul(x, impl, cfg.hidden_act)  # (T, I)
             else:  # the same ops, with the (T, 2I) gate_up in hand for the trace
                 gate_up = layer.gate_up_proj(x, impl)  # (T, 2I)
-                act = impl.silu_and_mul(gate_up)  # (T, I)
+                gated = impl.silu_and_mul if cfg.hidden_act == "silu" else impl.gelu_tanh_and_mul
+                act = gated(gate_up)  # (T, I)
                 for name, t in (("mlp_norm", x), ("gate_up", gate_up), ("swiglu", act)):
                     tracer(i, name, t)
             hidden = layer.down_proj(act, impl)  # (T, E)
             if self.tp is not None:
                 self.tp.all_reduce(hidden)
+            if layer.mlp_out_norm is not None:  # Gemma 3: the MLP's output normalized
+                hidden = impl.rms_norm(hidden, layer.mlp_out_norm, eps)
             if tracer is not None:
                 tracer(i, "down", hidden)
                 # the residual stream after this layer (HF's hidden state)
@@ -278,10 +318,18 @@ class LlamaModel:
         k: torch.Tensor,
         v: torch.Tensor,
         kv_cache: KVCache | None,
+        window: int = 0,
     ) -> torch.Tensor:
         if kv_cache is None:  # no cache: every sequence is attended to whole, from k and v
             return impl.prefill_attention(
-                q, k, v, batch.cu_seqlens_q, batch.seq_lens, self.scale, max_q_len=batch.max_q_len
+                q,
+                k,
+                v,
+                batch.cu_seqlens_q,
+                batch.seq_lens,
+                self.scale,
+                max_q_len=batch.max_q_len,
+                window=window,
             )
         k_cache, v_cache = kv_cache  # this step's K/V are in it already (rope_and_store)
         if batch.is_decode:
@@ -294,6 +342,7 @@ class LlamaModel:
                 self.scale,
                 max_seq_len=batch.max_seq_len,
                 order=batch.decode_order,
+                window=window,
             )
         # A mixed step: its first d sequences have one new token each. The prefill
         # kernel would pad each of those rows to a 64-query tile per head; decode
@@ -312,6 +361,7 @@ class LlamaModel:
             v_cache,
             batch.block_tables[d:],
             max_q_len=batch.max_q_len,
+            window=window,
         )
         if d:
             out[:d] = impl.decode_attention(
@@ -323,6 +373,7 @@ class LlamaModel:
                 self.scale,
                 max_seq_len=batch.max_seq_len,
                 order=None if batch.decode_order is None else batch.decode_order[:d],
+                window=window,
             )
         return out
 
@@ -334,6 +385,9 @@ class LlamaModel:
         logits = self.lm_head(hidden)
         if self.tp is not None:
             logits = self.tp.gather_vocab(logits, self.config.vocab_size)
+        cap = self.config.final_logit_softcap
+        if cap is not None:  # Gemma 2's soft cap (Gemma 3 sets none)
+            logits = torch.tanh(logits / cap) * cap
         return logits
 
     # ------------------------------------------------------------------

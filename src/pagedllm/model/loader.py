@@ -73,12 +73,39 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 # them from the config; transformers ignores them on load too). GGUF's equivalent,
 # `rope_freqs.weight`, is dropped by `weights/gguf.py`. Anything else unused is an error.
 _NOT_WEIGHTS = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
-# The weights of decoder layer i, as build_model takes them (no leading zeros: build_model
-# asks for "model.layers.1.", so a "model.layers.01." tensor would be dropped unread).
+# The weights of decoder layer i in any family we run (no leading zeros: build_model
+# asks for "model.layers.1.", so a "model.layers.01." tensor would be dropped unread);
+# `layer_weight_names` says which of them a given config uses.
 _LAYER_WEIGHT = re.compile(
-    r"model\.layers\.(0|[1-9]\d*)\.(input_layernorm|post_attention_layernorm"
+    r"model\.layers\.(0|[1-9]\d*)\.((?:input_layernorm|post_attention_layernorm"
+    r"|pre_feedforward_layernorm|post_feedforward_layernorm|self_attn\.[qk]_norm"
     r"|self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight"
+    r"|self_attn\.[qkv]_proj\.bias)"
 )
+
+
+def layer_weight_names(config: ModelConfig) -> frozenset[str]:
+    """The names (after "model.layers.i.") of one decoder layer's weights in `config`'s
+    family. Llama's norm before the MLP is HF's `post_attention_layernorm`; Gemma 3
+    has a norm there *and* one after attention, which HF names that way instead."""
+    names = {
+        "input_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "post_attention_layernorm.weight",
+    }
+    if config.sandwich_norms:
+        names |= {"pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"}
+    if config.attention_bias:
+        names |= {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"}
+    if config.qk_norm:
+        names |= {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+    return frozenset(names)
 
 
 def load_model(
@@ -136,6 +163,8 @@ def load_model(
         max_model_len=max_model_len,
         tp=tp,
         sharded=tp is not None,
+        # HF's Gemma norms multiply by (1 + w); llama.cpp's converter added the 1.
+        norm_offset=1.0 if config.family == "gemma3" and not is_gguf(model_path) else 0.0,
     )
     model.source_path = model_path
     return model
@@ -174,8 +203,12 @@ def build_model(
     max_model_len: int | None = None,
     tp: TensorParallel | None = None,
     sharded: bool = False,
+    norm_offset: float = 0.0,
 ) -> LlamaModel:
     """Check names and shapes, fuse QKV and gate/up, and move everything to device/dtype once.
+
+    `norm_offset` is added to every RMSNorm weight (1.0 for Gemma 3 from HF files,
+    whose norms compute x * (1 + w); the sum is taken in float32 before the cast).
 
     `state` must hold exactly the config's weights (see `check_no_unused_weights`).
     `max_model_len` bounds the RoPE table (see `load_model`). `tp`: keep only this
@@ -207,7 +240,10 @@ def build_model(
     def put_matrix(t: torch.Tensor) -> Linear:
         return Linear(t.to(device=device, dtype=dtype))  # Linear picks the layout
 
-    e, inter = c.hidden_size, c.intermediate_size
+    def norm(name: str, size: int) -> torch.Tensor:
+        return put(take(name, (size,)).float() + norm_offset)
+
+    e, inter, d = c.hidden_size, c.intermediate_size, c.head_dim
     layers = []
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -216,25 +252,41 @@ def build_model(
         v = take(p + "self_attn.v_proj.weight", (c.kv_size, e))
         gate = take(p + "mlp.gate_proj.weight", (inter, e))
         up = take(p + "mlp.up_proj.weight", (inter, e))
-        layers.append(
-            LayerWeights(
-                input_norm=put(take(p + "input_layernorm.weight", (e,))),
-                qkv_proj=put_matrix(torch.cat([q, k, v], dim=0)),
-                o_proj=put_matrix(take(p + "self_attn.o_proj.weight", (e, c.q_size))),
-                post_norm=put(take(p + "post_attention_layernorm.weight", (e,))),
-                gate_up_proj=put_matrix(torch.cat([gate, up], dim=0)),
-                down_proj=put_matrix(take(p + "mlp.down_proj.weight", (e, inter))),
-            )
+        w = LayerWeights(
+            input_norm=norm(p + "input_layernorm.weight", e),
+            qkv_proj=put_matrix(torch.cat([q, k, v], dim=0)),
+            o_proj=put_matrix(take(p + "self_attn.o_proj.weight", (e, c.q_size))),
+            post_norm=norm(p + "post_attention_layernorm.weight", e),
+            gate_up_proj=put_matrix(torch.cat([gate, up], dim=0)),
+            down_proj=put_matrix(take(p + "mlp.down_proj.weight", (e, inter))),
         )
+        if c.sandwich_norms:  # Gemma 3: HF's post_attention_layernorm follows attention
+            w.attn_out_norm = w.post_norm
+            w.post_norm = norm(p + "pre_feedforward_layernorm.weight", e)
+            w.mlp_out_norm = norm(p + "post_feedforward_layernorm.weight", e)
+        if c.attention_bias:
+            w.qkv_bias = put(
+                torch.cat(
+                    [
+                        take(p + "self_attn.q_proj.bias", (c.q_size,)),
+                        take(p + "self_attn.k_proj.bias", (c.kv_size,)),
+                        take(p + "self_attn.v_proj.bias", (c.kv_size,)),
+                    ]
+                )
+            )
+        if c.qk_norm:
+            w.q_norm = norm(p + "self_attn.q_norm.weight", d)
+            w.k_norm = norm(p + "self_attn.k_norm.weight", d)
+        layers.append(w)
     embed = put(take("model.embed_tokens.weight", (c.vocab_size, e)))
     if c.tie_word_embeddings:
         # Tied: on the GPU the very same memory; on the CPU a transposed copy.
         lm_head = Linear(embed)
     else:
         lm_head = put_matrix(take("lm_head.weight", (c.vocab_size, e)))
-    norm = put(take("model.norm.weight", (e,)))
+    final_norm = norm("model.norm.weight", e)
     local = c if tp is None else shard_config(c, tp.size)
-    return LlamaModel(local, embed, layers, norm, lm_head, max_positions=max_model_len, tp=tp)
+    return LlamaModel(local, embed, layers, final_norm, lm_head, max_positions=max_model_len, tp=tp)
 
 
 def check_no_unused_weights(
@@ -247,7 +299,11 @@ def check_no_unused_weights(
     unused = [n for n in state if not _is_model_weight(n, config) and not _NOT_WEIGHTS.fullmatch(n)]
     if not unused:
         return
-    layers = [int(m.group(1)) for n in unused if (m := _LAYER_WEIGHT.fullmatch(n))]
+    layers = [
+        int(m.group(1))
+        for n in unused
+        if (m := _LAYER_WEIGHT.fullmatch(n)) and int(m.group(1)) >= config.num_hidden_layers
+    ]
     if layers:
         why = (
             f"the file has layers up to {max(layers)} but the config says "
@@ -255,7 +311,10 @@ def check_no_unused_weights(
             "check the config against the checkpoint"
         )
     else:
-        why = "a Llama model of this config has no such weights; check that the file is a Llama"
+        why = (
+            f"a {config.family} model of this config has no such weights; check that the "
+            "file and its config are of the same family"
+        )
     raise ValueError(
         f"{source}: {len(unused)} tensors in the file are not used by the model: "
         f"{', '.join(map(repr, unused[:5]))}{', ...' if len(unused) > 5 else ''}: {why}"
@@ -268,7 +327,11 @@ def _is_model_weight(name: str, config: ModelConfig) -> bool:
     if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
         return True
     m = _LAYER_WEIGHT.fullmatch(name)
-    return m is not None and int(m.group(1)) < config.num_hidden_layers
+    return (
+        m is not None
+        and int(m.group(1)) < config.num_hidden_layers
+        and m.group(2) in layer_weight_names(config)
+    )
 
 
 def _resolve_tied_head(
@@ -319,8 +382,9 @@ def dummy_model(
         return torch.ones(n, device=dev, dtype=dt)
 
     e, inter = c.hidden_size, c.intermediate_size
-    layers = [
-        LayerWeights(
+    layers = []
+    for _ in range(c.num_hidden_layers):
+        w = LayerWeights(
             input_norm=ones(e),
             qkv_proj=mat(c.q_size + 2 * c.kv_size, e),
             o_proj=mat(e, c.q_size),
@@ -328,8 +392,13 @@ def dummy_model(
             gate_up_proj=mat(2 * inter, e),
             down_proj=mat(e, inter),
         )
-        for _ in range(c.num_hidden_layers)
-    ]
+        if c.sandwich_norms:
+            w.attn_out_norm, w.mlp_out_norm = ones(e), ones(e)
+        if c.attention_bias:
+            w.qkv_bias = torch.zeros(c.q_size + 2 * c.kv_size, device=dev, dtype=dt)
+        if c.qk_norm:
+            w.q_norm, w.k_norm = ones(c.head_dim), ones(c.head_dim)
+        layers.append(w)
     vocab = c.vocab_size if tp is None else -(-c.vocab_size // tp.size)  # this rank's rows
     embed = torch.randn(vocab, e, generator=gen, device=dev, dtype=dt) * std
     lm_head = Linear(embed) if c.tie_word_embeddings else mat(vocab, e)

@@ -130,6 +130,9 @@ _SPLIT = {
     "q_proj.weight": "rows",
     "k_proj.weight": "rows",
     "v_proj.weight": "rows",
+    "q_proj.bias": "rows",  # Qwen2: each rank adds its heads' biases
+    "k_proj.bias": "rows",
+    "v_proj.bias": "rows",
     "o_proj.weight": "cols",
     "gate_proj.weight": "rows",
     "up_proj.weight": "rows",

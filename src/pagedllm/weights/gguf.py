@@ -503,16 +503,42 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# What the other families add, under the names llama.cpp gives them.
+_LAYER_NAMES_EXTRA = {
+    "attn_q.bias": "self_attn.q_proj.bias",  # Qwen2
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3, Gemma 3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# Gemma 3 has four norms a layer, and HF calls the one after attention (llama.cpp's
+# post_attention_norm) what Llama calls the one before the MLP (ffn_norm).
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_LAYER_NAMES_BY_ARCH = {
+    "llama": _LAYER_NAMES,
+    "qwen2": {**_LAYER_NAMES, **_LAYER_NAMES_EXTRA},
+    "qwen3": {**_LAYER_NAMES, **_LAYER_NAMES_EXTRA},
+    "gemma3": {**_GEMMA3_LAYER_NAMES, **_LAYER_NAMES_EXTRA},
+}
+SUPPORTED_ARCHITECTURES = tuple(_LAYER_NAMES_BY_ARCH)
+_ARCH_NAMES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3": "Gemma 3"}
 _LAYER_INDEX = re.compile(r"0|[1-9][0-9]*")
 # Present in llama.cpp's Llama 3 files but not weights: the llama3 RoPE frequency
 # factors, which we recompute from the rope-scaling metadata (see pagedllm.config).
 IGNORED_TENSORS = frozenset({"rope_freqs.weight"})
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face Llama name of a llama.cpp tensor name, or None if unknown."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name of architecture `arch`, or
+    None if unknown."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    layer_names = _LAYER_NAMES_BY_ARCH[arch]
     parts = gguf_name.split(".", 2)  # blk, i, rest
     # i as llama.cpp prints it ("blk.%d"): "blk.01" or "blk.²" is no layer, and must not
     # land on (and overwrite) layer 1's weights.
@@ -520,9 +546,9 @@ def hf_name(gguf_name: str) -> str | None:
         len(parts) == 3
         and parts[0] == "blk"
         and _LAYER_INDEX.fullmatch(parts[1])
-        and parts[2] in _LAYER_NAMES
+        and parts[2] in layer_names
     ):
-        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+        return f"model.layers.{int(parts[1])}.{layer_names[parts[2]]}"
     return None
 
 
@@ -570,16 +596,20 @@ def load_gguf_state_dict(
     with GGUFFile(path) as g:
         meta = g.metadata
         arch = meta.get("general.architecture")
-        if arch != "llama":
+        if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"{g.path}: architecture {arch!r} is not supported (supported: 'llama')"
+                f"{g.path}: architecture {arch!r} is not supported (supported: "
+                f"{', '.join(map(repr, SUPPORTED_ARCHITECTURES))})"
             )
-        n_head = _head_count(meta, "llama.attention.head_count", g.path)
+        n_head = _head_count(meta, f"{arch}.attention.head_count", g.path)
         n_kv_head = (
-            _head_count(meta, "llama.attention.head_count_kv", g.path)
-            if "llama.attention.head_count_kv" in meta
+            _head_count(meta, f"{arch}.attention.head_count_kv", g.path)
+            if f"{arch}.attention.head_count_kv" in meta
             else n_head
         )
+        # llama.cpp's converter permutes Q and K rows for Llama's GGUF only (its
+        # RoPE rotates adjacent pairs there); Qwen and Gemma files keep HF's order.
+        permuted = arch == "llama"
 
         # 1. name map and type check for every tensor before any dequantization,
         #    so a bad file fails in milliseconds rather than half-way through.
@@ -588,7 +618,7 @@ def load_gguf_state_dict(
         for name in g.tensor_names:
             if name in IGNORED_TENSORS:
                 continue
-            target = hf_name(name)
+            target = hf_name(name, arch)
             if target is None:
                 unknown.append(name)
                 continue
@@ -598,9 +628,7 @@ def load_gguf_state_dict(
             plan[name] = target
         if unknown:
             have = "has" if len(unknown) == 1 else "have"
-            message = (
-                f"{g.path}: {plural(len(unknown), 'tensor')} {have} no Llama mapping: {unknown[:5]}"
-            )
+            message = f"{g.path}: {plural(len(unknown), 'tensor')} {have} no {_ARCH_NAMES[arch]} mapping: {unknown[:5]}"
             if strict:
                 raise ValueError(message + " (pass strict=False to skip them)")
             warnings.warn(message + "; skipped", stacklevel=2)
@@ -610,7 +638,9 @@ def load_gguf_state_dict(
         for name, target in plan.items():
             t = g.load_tensor(name, dtype=dtype, device=device)
             heads = None
-            if name.endswith(".attn_q.weight"):
+            if not permuted:
+                pass
+            elif name.endswith(".attn_q.weight"):
                 heads = n_head
             elif name.endswith(".attn_k.weight"):
                 heads = n_kv_head
