@@ -445,6 +445,9 @@ def test_triton_attention_rejects_unsupported_head_dims(gen, head_dim):
     cu = torch.tensor([0, 1], dtype=torch.int32)
     with pytest.raises(ValueError, match=f"head_dim {head_dim}"):
         tri.prefill_attention(q, q[:, :1], q[:, :1], cu, lens, 0.1)
+    cos_sin = torch.zeros(4, head_dim)
+    with pytest.raises(ValueError, match=f"head_dim {head_dim}"):
+        tri.rope_and_store(q, q[:, :1], q[:, :1], lens, cos_sin, kc, kc, lens)
 
 
 def test_tile_configs_fit_an_h200s_shared_memory():
@@ -609,3 +612,87 @@ def test_linear_with_bias(gen, dtype, m, monkeypatch):
     assert torch.equal(tri.linear(x, w), real(x, w) if m == 1 else ref.linear(x, w))
     with pytest.raises(ValueError, match="takes no bias"):
         real(x[:1], w, glu=True, bias=b)
+
+
+# --------------------------------------------------------------------------
+# Windows through a sequence's life, and with float8 pages
+# --------------------------------------------------------------------------
+
+
+@needs_interpreter
+def test_windowed_chunked_prefill_then_decode_matches_one_shot(gen):
+    """A prompt prefilled in two chunks, then two decode steps (the second through
+    the batch-1 fused kernel), all with window 10, equal windowed attention over
+    the whole sequence at once."""
+    n, window, heads, kv_heads, d = 37, 10, 4, 2, 32
+    q = torch.randn(n + 2, heads, d, generator=gen)
+    k = torch.randn(n + 2, kv_heads, d, generator=gen)
+    v = torch.randn(n + 2, kv_heads, d, generator=gen)
+    whole = naive_attention(q, k, v, torch.arange(n + 2), 0.2, window)
+    k_cache = torch.zeros(4, BS, kv_heads, d)
+    v_cache = torch.zeros_like(k_cache)
+    tables = torch.tensor([[2, 0, 3, -1]], dtype=torch.int32)
+
+    def slots(lo, hi):
+        pos = torch.arange(lo, hi)
+        return tables[0, pos // BS].long() * BS + pos % BS
+
+    outs = []
+    for lo, hi in [(0, 20), (20, n)]:  # two prefill chunks, the second over a prefix
+        tri.store_kvcache(k[lo:hi], v[lo:hi], k_cache, v_cache, slots(lo, hi))
+        cu = torch.tensor([0, hi - lo], dtype=torch.int32)
+        seq = torch.tensor([hi], dtype=torch.int32)
+        outs.append(
+            tri.prefill_attention(
+                q[lo:hi],
+                k[lo:hi],
+                v[lo:hi],
+                cu,
+                seq,
+                0.2,
+                k_cache,
+                v_cache,
+                tables,
+                window=window,
+            )  # fmt: skip
+        )
+    tri.store_kvcache(k[n : n + 1], v[n : n + 1], k_cache, v_cache, slots(n, n + 1))
+    seq = torch.tensor([n + 1], dtype=torch.int32)
+    outs.append(tri.decode_attention(q[n : n + 1], k_cache, v_cache, tables, seq, 0.2, window=10))
+    # The fused kernel rotates q and k itself: a cos/sin cache of cos 1, sin 0 leaves
+    # them as they are, so the step compares with the same whole-sequence attention.
+    identity = torch.cat([torch.ones(n + 2, d // 2), torch.zeros(n + 2, d // 2)], dim=-1)
+    seq = torch.tensor([n + 2], dtype=torch.int32)
+    outs.append(
+        tri.rope_store_decode_attention(
+            q[n + 1 :],
+            k[n + 1 :],
+            v[n + 1 :],
+            torch.tensor([n + 1]),
+            identity,
+            k_cache,
+            v_cache,
+            slots(n + 1, n + 2),
+            tables,
+            seq,
+            0.2,
+            window=window,
+        )  # fmt: skip
+    )
+    assert rel_err(torch.cat(outs), whole) < 1e-5
+
+
+@needs_interpreter
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("heads_per_program", [1, 2])
+def test_triton_decode_window_fp8_pages(gen, num_splits, heads_per_program):
+    """float8 pages (the fp8 tiles, and two KV heads per program) with a window."""
+    fp8 = torch.float8_e4m3fn
+    (q, kc, vc, tables, seq_lens), _ = decode_case(gen, [5, 60, 150], 8, 4, 32)
+    kc, vc = kc.to(fp8), vc.to(fp8)
+    want = ref.decode_attention(q, kc, vc, tables, seq_lens, 0.2, window=40)
+    out = tri.decode_attention(
+        q, kc, vc, tables, seq_lens, 0.2, window=40, num_splits=num_splits,
+        heads_per_program=heads_per_program,
+    )  # fmt: skip
+    assert rel_err(out, want) < 1e-5

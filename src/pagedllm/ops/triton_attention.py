@@ -22,6 +22,14 @@ padding row of a captured batch) gets zeros.
 
 All scores use exp2 with `scale * log2(e)` folded into one multiply; the
 running max, denominator and accumulator are float32.
+
+Sliding windows (`window=W`, Mistral and Gemma 3's local layers; the mask is
+`reference`'s, transformers' own): decode reads only the pages of a sequence's
+last W positions, its splits sharing those; prefill starts each query block's
+key loops at its first row's window. W is a runtime argument, so one compiled
+variant serves every window (HAS_WINDOW, a constexpr, keeps the W = 0 kernels
+as they were). Head dims: powers of two from 16 to 256 (Gemma 3's), with tiles
+chosen per head dim (`_prefill_config`, `_decode_tile`).
 """
 
 from __future__ import annotations
@@ -157,9 +165,10 @@ def _prefill_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, i
     return 64, 64, 4, 2
 
 
-def _check_head_dim(head_dim: int) -> None:
+def check_head_dim(head_dim: int) -> None:
     """The head dims the tiles are made for: powers of two (tl.arange), 16 (the
-    smallest dot) to 256 (Gemma 3; larger tiles would not fit shared memory)."""
+    smallest dot) to 256 (Gemma 3; larger tiles would not fit shared memory).
+    The RoPE kernels, which run before attention, check it too."""
     if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
         raise ValueError(
             f"head_dim {head_dim}: the Triton attention kernels take a power of two from 16 "
@@ -540,7 +549,8 @@ def decode_attention(
     `order` (B,) int32, a permutation of 0..B-1: grid row i takes sequence
     order[i]; the GPU starts programs in grid order, so the runner passes the
     rows longest context first (a ragged batch's long sequences do not start
-    in the last wave).
+    in the last wave). `window` > 0: only the last `window` positions are read
+    (and split: the split count is sized for min(max_seq_len, window)).
     Nothing here reads a device value on the host, so the call can be captured
     in a CUDA graph. The caches may be float8 (e4m3) while q is bf16/fp16/fp32:
     each tile is widened exactly before its dots, which run in float16 for a
@@ -620,7 +630,7 @@ def _decode(
     """Both decode entry points: `new` = (k, v, positions, cos_sin_cache,
     slot_mapping) of this step's tokens, or None when they are in the cache already."""
     batch, num_heads, head_dim = q.shape
-    _check_head_dim(head_dim)
+    check_head_dim(head_dim)
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -932,13 +942,15 @@ def prefill_attention(
     Grid: (query blocks of the longest sequence, H, B); blocks past a shorter
     sequence's end exit at once. `max_q_len` (host int, optional) sizes the
     grid; without it a single sequence uses T and a batch costs one host sync.
-    A cached prefix (seq_len > q_len) is read through block_tables. `config`:
+    A cached prefix (seq_len > q_len) is read through block_tables. `window` > 0:
+    each token sees its last `window` positions only (key tiles before a query
+    block's first window are never loaded). `config`:
     (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of `_prefill_config`'s
     (scripts/bench_prefill_attention.py).
     """
     window = _checked_window(window)
     num_tokens, num_heads, head_dim = q.shape
-    _check_head_dim(head_dim)
+    check_head_dim(head_dim)
     num_kv_heads = k.shape[1]
     batch = seq_lens.shape[0]
     for t in (q, k, v):

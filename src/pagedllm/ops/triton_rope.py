@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.ops.triton_attention import check_head_dim
 from pagedllm.ops.triton_kv import cache_max, to_cache
 from pagedllm.ops.triton_pdl import pdl_start, pdl_wait, use_pdl
 
@@ -72,6 +73,7 @@ def apply_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See `reference.apply_rope`. Rotates q and k in place and returns them."""
     num_tokens, num_heads, head_dim = q.shape
+    check_head_dim(head_dim)
     num_kv_heads = k.shape[1]
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("apply_rope works in place: q and k need a contiguous last dim")
@@ -191,6 +193,7 @@ def rope_and_store(
     """See `reference.rope_and_store`: q and k rotated in place and returned; the
     rotated k and v written to their slots (slots < 0 skipped)."""
     num_tokens, num_heads, head_dim = q.shape
+    check_head_dim(head_dim)
     num_kv_heads = k.shape[1]
     for t in (q, k, v, k_cache, v_cache):
         if t.stride(-1) != 1:
