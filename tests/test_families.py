@@ -54,11 +54,13 @@ FAMILIES = {
 }
 
 
-def make_family_dir(tmp_path, name: str, seed: int = 0):
+def make_family_dir(tmp_path, name: str, seed: int = 0, **more):
+    """Write a random transformers checkpoint of family `name` (a key of FAMILIES,
+    with `more` config overrides) to tmp_path / name; returns (path, hf_model)."""
     import transformers
 
     config_cls, model_cls, overrides = FAMILIES[name]
-    config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides, **more})
     torch.manual_seed(seed)
     hf = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
@@ -127,6 +129,17 @@ def test_family_switches_from_the_configs(tmp_path):
     assert g.sandwich_norms and g.qk_norm and g.hidden_act == "gelu_tanh"
     assert g.layer_windows == (WINDOW, WINDOW, 0) and g.local_rope_theta == 10000.0
     assert g.embedding_scale == pytest.approx(8.0) and g.attention_scale == pytest.approx(24**-0.5)
+
+
+@pytest.mark.parametrize(("preset", "family"), [("qwen3-8b", "qwen3"), ("gemma-3-1b", "gemma3")])
+def test_family_presets_read_as_their_family(preset, family):
+    from pagedllm.presets import preset_dir
+
+    c = ModelConfig.from_hf_dir(preset_dir(preset))
+    assert c.family == family
+    if family == "gemma3":  # Gemma-3-1B: 26 layers, every 6th global
+        assert [i for i, w in enumerate(c.layer_windows) if w == 0] == [5, 11, 17, 23]
+        assert set(c.layer_windows) == {0, 512} and c.head_dim == 256
 
 
 def test_a_family_weight_in_a_llama_file_is_an_error(tmp_path):
