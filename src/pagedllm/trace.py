@@ -10,15 +10,23 @@ For each engine step it prints what each layer made:
    running request's pages;
 2. the batch the runner built from it: input ids, positions, the slot of
    each new token in the KV cache, sequence lengths, block tables;
-3. RoPE's cos/sin at the batch's positions, then per traced layer the shape
-   and a checksum (sum, mean |x|, first values) of each buffer in BUFFERS:
-   the norms' outputs, q and k before and after RoPE, v, the attention
-   output, the projections, SwiGLU, and the hidden state after the layer
-   (the residual stream: transformers' `output_hidden_states[layer + 1]`);
-   `--buffer` picks some;
+3. RoPE's cos/sin at the batch's positions (and, for Gemma 3, those of its
+   windowed layers' own RoPE base), then per traced layer the shape and a
+   checksum (sum, mean |x|, first values) of each buffer in BUFFERS: the
+   norms' outputs, q and k before and after RoPE, v, the attention output,
+   the projections, the MLP's gated activation, and the hidden state after
+   the layer (the residual stream: transformers' `output_hidden_states[layer
+   + 1]`); `--buffer` picks some;
 4. each sampled token with its top-5 log-probs. Greedy, unless --temperature
    (with --top-p, --top-k, --min-p, --seed: the generate command's flags,
    `sampling_args.py`).
+
+Every family (Llama, Qwen2, Qwen3, Mistral, Gemma 3) runs the one decoder of
+`model/llama.py`, so every family has the same buffers, named after Llama's
+layer; BUFFERS says what each holds where a family's layer differs (Qwen2's
+q/k/v biases, Qwen3's and Gemma's per-head q/k norms, Gemma's norms after
+attention and the MLP and its GeGLU). Each record's "model" says the family,
+the MLP's activation and each traced layer's sliding window.
 
 How: the trace runs a normal engine (eager, no CUDA graphs, no async
 scheduling, so every kernel runs where Python can see it) and listens at
@@ -48,21 +56,37 @@ PROG = "pagedllm trace"
 SHOWN = 8  # values shown of each id list
 TOP_LOGPROBS = 5
 # What LlamaModel.forward hands the tracer, in order: layer -1 is the embedding,
-# layer num_layers the final norm (the rows that go to the LM head).
+# layer num_layers the final norm (the rows that go to the LM head). The names
+# are Llama's; each comment says what the buffer holds in every family, and
+# tests/test_trace_families.py checks each against the same point of transformers'
+# model of that family.
 BUFFERS = (
-    "embedding",
+    "embedding",  # the embedding rows (Gemma 3: times sqrt(E), as its HF model scales them)
     "attn_norm",  # RMSNorm of the residual stream, the input of q/k/v
-    "q_raw",  # q and k as the QKV matmul made them, before RoPE
+    # q and k as the QKV matmul made them, before RoPE: plus the bias (Qwen2), after
+    # the per-head RMSNorm (Qwen3, Gemma 3)
+    "q_raw",
     "k_raw",
-    "q",  # after RoPE
+    "q",  # after RoPE (Gemma 3's windowed layers: with their own base, "rope_local")
     "k",
     "v",
-    "attention",  # softmax(q k^T / sqrt(D)) v, per head
-    "o_proj",  # the attention's output projected back to the hidden size
-    "mlp_norm",  # RMSNorm of the residual stream after the attention
+    # softmax(q k^T * scale) v, per head; scale 1/sqrt(D) (Gemma 3: its
+    # query_pre_attn_scalar); a windowed layer attends to its last W positions only
+    "attention",
+    # the attention's output projected back to the hidden size (Gemma 3: after its
+    # post-attention norm, HF's post_attention_layernorm: what the residual adds)
+    "o_proj",
+    # RMSNorm of the residual stream after the attention, the MLP's input (HF's
+    # post_attention_layernorm in Llama; pre_feedforward_layernorm in Gemma 3)
+    "mlp_norm",
     "gate_up",  # gate and up projections, side by side
-    "swiglu",  # silu(gate) * up
-    "down",  # the MLP's output
+    # act(gate) * up: silu (SwiGLU) in every family but Gemma 3, whose GeGLU is
+    # gelu_tanh(gate) * up. The name stays "swiglu" (the tour's chapter 8 and
+    # --buffer users know it by that); each record's model.activation says which.
+    "swiglu",
+    # the MLP's output (Gemma 3: after its post-MLP norm, HF's
+    # post_feedforward_layernorm: what the residual adds)
+    "down",
     "hidden",  # the residual stream after the layer (transformers' hidden_states[L + 1])
     "final_norm",
 )
@@ -105,6 +129,15 @@ def trace_steps(
     for name in names - set(BUFFERS):
         raise ValueError(f"no buffer {name!r}: choose from {', '.join(BUFFERS)}")
     current: dict[str, Any] = {}
+    cfg = model.config
+    # What the buffers' names do not say: the family, the MLP's activation (the
+    # "swiglu" buffer holds act(gate) * up), and the traced layers' sliding windows.
+    about: dict[str, Any] = {"family": cfg.family, "activation": cfg.hidden_act}
+    windows = {str(i): cfg.window(i) for i in sorted(wanted) if cfg.window(i)}
+    if windows:
+        about["windows"] = windows
+        if model.local_cos_sin_cache is not None:
+            about["local_rope_theta"] = cfg.local_rope_theta
 
     def on_plan(plan):
         bm = engine.block_manager
@@ -149,6 +182,12 @@ def trace_steps(
             "cos": summarize(cos_sin[:, :half]),
             "sin": summarize(cos_sin[:, half:]),
         }
+        if model.local_cos_sin_cache is not None:  # Gemma 3's windowed layers rotate apart
+            local = model.local_cos_sin_cache[positions]
+            current["rope_local"] = {
+                "cos": summarize(local[:, :half]),
+                "sin": summarize(local[:, half:]),
+            }
         current["layers"] = {}
 
     def on_tensor(layer: int, name: str, t) -> None:
@@ -178,7 +217,13 @@ def trace_steps(
                 break
             current.clear()
             outputs = engine.step()
-            record = {"step": n, "num_layers": num_layers, **current, "sampled": []}
+            record = {
+                "step": n,
+                "num_layers": num_layers,
+                "model": about,
+                **current,
+                "sampled": [],
+            }
             for out in outputs:
                 state = out.state
                 for j, token in enumerate(out.new_token_ids):
@@ -218,8 +263,25 @@ def _tensor(s: dict[str, Any]) -> str:
     return f"{shape} sum {s['sum']:.4g} |x| {s['mean_abs']:.4g} first {s['first']}"
 
 
+def _about(m: dict[str, Any]) -> str:
+    """One line on the model: its family, its MLP and its traced layers' windows."""
+    act = {"silu": "SwiGLU, silu(gate) * up", "gelu_tanh": "GeGLU, gelu_tanh(gate) * up"}
+    line = f"model: {m['family']}; the swiglu buffer is {act.get(m['activation'], m['activation'])}"
+    windows = m.get("windows")
+    if windows:
+        sizes = sorted(set(windows.values()))
+        line += (
+            f"; windowed: layer{'s' if len(windows) > 1 else ''} {', '.join(windows)} "
+            f"(the last {' or '.join(map(str, sizes))} positions"
+            + (f", RoPE base {m['local_rope_theta']:g})" if "local_rope_theta" in m else ")")
+        )
+    return line
+
+
 def format_record(r: dict[str, Any]) -> str:
     lines = [f"== step {r['step']}"]
+    if r["step"] == 1 and "model" in r:
+        lines.append(_about(r["model"]))
     sc = r.get("scheduler")
     if sc:
         ran = ", ".join(
@@ -246,6 +308,10 @@ def format_record(r: dict[str, Any]) -> str:
         lines.append(f"  {'block_tables':<13}{b['block_tables']}")
         lines.append(f"rope at the positions: cos {_tensor(r['rope']['cos'])}")
         lines.append(f"                       sin {_tensor(r['rope']['sin'])}")
+        if "rope_local" in r:
+            local = r["rope_local"]
+            lines.append(f"windowed layers' rope: cos {_tensor(local['cos'])}")
+            lines.append(f"                       sin {_tensor(local['sin'])}")
     for layer, tensors in r.get("layers", {}).items():
         label = {"-1": "embedding", str(r.get("num_layers")): "final"}.get(layer, f"layer {layer}")
         for name, s in tensors.items():
@@ -286,7 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="NAME",
         choices=BUFFERS,
-        help="record only this buffer (repeatable; default: all): " + ", ".join(BUFFERS),
+        help="record only this buffer (repeatable; default: all): "
+        + ", ".join(BUFFERS)
+        + " (every family has them all; swiglu is Gemma 3's GeGLU there)",
     )
     p.add_argument("--raw", action="store_true", help="the text as is, without the chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per step instead")
