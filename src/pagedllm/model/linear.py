@@ -40,17 +40,29 @@ class Linear:
         self.transposed = weight.device.type == "cpu"  # stored (in, out)
         self.stored = (weight.t() if self.transposed else weight).contiguous()
 
-    def __call__(self, x: torch.Tensor, impl: ModuleType | None = None) -> torch.Tensor:
-        """x (T, in) -> (T, out). `impl`: the ops module (`ops.implementation`) whose
-        `linear` multiplies on CUDA (Triton's: a GEMV for a single row); None: cuBLAS."""
+    def __call__(
+        self,
+        x: torch.Tensor,
+        impl: ModuleType | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x (T, in) -> (T, out), plus `bias` (out,) when given (Qwen2's q/k/v).
+        `impl`: the ops module (`ops.implementation`) whose `linear` multiplies on
+        CUDA (Triton's: a GEMV for a single row, the bias in its epilogue); None: cuBLAS."""
         if not self.transposed:
-            return F.linear(x, self.stored) if impl is None else impl.linear(x, self.stored)
+            if impl is None:
+                return F.linear(x, self.stored, bias)
+            if bias is None:
+                return impl.linear(x, self.stored)
+            return impl.linear(x, self.stored, bias=bias)
         if x.shape[0] <= NUMPY_MATMUL_MAX_ROWS and x.dtype == torch.float32 and numpy_matmul_ok():
             # Few rows (decode): numpy's BLAS streams CPU weights faster than torch's
             # (see cpu_blas.py); many rows (prefill) stay on torch's multi-threaded
             # GEMM, since numpy's BLAS is pinned to one thread. Zero-copy views.
-            return torch.from_numpy(np.matmul(x.numpy(), self.stored.numpy()))
-        return x @ self.stored
+            out = torch.from_numpy(np.matmul(x.numpy(), self.stored.numpy()))
+        else:
+            out = x @ self.stored
+        return out if bias is None else out.add_(bias)
 
     forward = __call__
 

@@ -156,9 +156,9 @@ class LlamaModel:
         if self.tp is not None:
             return False
         c = self.config
-        if c.attention_bias or c.qk_norm or c.sandwich_norms or self.embed_scale is not None:
-            # These families put PyTorch kernels (a bias add, a copy of q and k for
-            # their norms) between ours; not measured in a chain yet.
+        if c.qk_norm or c.sandwich_norms or self.embed_scale is not None:
+            # Not measured in a chain yet (Qwen3's and Gemma's extra norms, Gemma's
+            # embedding scale, a PyTorch kernel before the chain's first).
             return False
         if batch.num_tokens == 1:
             return True
@@ -206,15 +206,13 @@ class LlamaModel:
             if tracer is not None:
                 tracer(i, "attn_norm", x)
             # 2. One matmul for Q, K and V, then views into it.
-            qkv = layer.qkv_proj(x, impl)  # (T, (H + 2Hkv) D)
-            if layer.qkv_bias is not None:  # Qwen2
-                qkv = qkv + layer.qkv_bias
+            qkv = layer.qkv_proj(x, impl, bias=layer.qkv_bias)  # (T, (H + 2Hkv) D); Qwen2: + bias
             q = qkv[:, :q_size].view(num_tokens, -1, d)  # (T, H, D)
             k = qkv[:, q_size : q_size + kv_size].view(num_tokens, -1, d)  # (T, Hkv, D)
             v = qkv[:, q_size + kv_size :].view(num_tokens, -1, d)  # (T, Hkv, D)
             if layer.q_norm is not None:  # Qwen3, Gemma 3: every head normalized on its own
-                q = impl.rms_norm(q.reshape(-1, d), layer.q_norm, eps).view(num_tokens, -1, d)
-                k = impl.rms_norm(k.reshape(-1, d), layer.k_norm, eps).view(num_tokens, -1, d)
+                q = impl.rms_norm(q, layer.q_norm, eps)  # (T, H, D), contiguous
+                k = impl.rms_norm(k, layer.k_norm, eps)
             if tracer is not None:  # before RoPE rotates them
                 tracer(i, "q_raw", q)
                 tracer(i, "k_raw", k)
