@@ -452,7 +452,9 @@ def test_triton_attention_rejects_unsupported_head_dims(gen, head_dim):
 
 def test_tile_configs_fit_an_h200s_shared_memory():
     """Every (dtype, head_dim) gets tiles whose Q + stages x (K + V) stay within
-    the 227 KB a block may use on an H200 (decode: stages x (K + V) plus q)."""
+    the 227 KB a block may use on an H200 (decode: stages x (K + V) plus q): an
+    upper bound of what the compiler allocates (128 KB for bf16 prefill at D=128
+    and 256, 41 KB for decode at D=256, compiled for sm_90a)."""
     triton_attention = pytest.importorskip("pagedllm.ops.triton_attention")
     limit = 227 * 1024
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -696,3 +698,104 @@ def test_triton_decode_window_fp8_pages(gen, num_splits, heads_per_program):
         heads_per_program=heads_per_program,
     )  # fmt: skip
     assert rel_err(out, want) < 1e-5
+
+
+# --------------------------------------------------------------------------
+# The D=256 tiles on the GPU's compiler, without a GPU
+# --------------------------------------------------------------------------
+
+_COMPILE_FOR_SM90 = r"""
+import json, os, subprocess, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pagedllm.ops import triton_attention as ta
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+UNALIGNED = {"cu_seqlens_ptr", "seq_lens_ptr", "block_tables_ptr", "order_ptr", "positions_ptr",
+             "slot_mapping_ptr"}
+NAMES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def build(fn, types, const, warps, stages, out):
+    # Pointers and strides carry the divisible-by-16 attribute a launch gives them.
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        sig[name] = "constexpr" if name in const else types.get(name, "i32")
+        if name not in const and name not in UNALIGNED and (
+            sig[name].startswith("*") or name.startswith("stride")
+        ):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "num_stages": stages})
+    ptx = os.path.join(out, "k.ptx")
+    open(ptx, "w").write(k.asm["ptx"])
+    log = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", ptx, "-o", ptx + ".o"],
+                         capture_output=True, text=True, check=True).stderr
+    spills = sum(int(w.split()[0]) for w in log.split(",") if "spill stores" in w)
+    return {"shared": k.metadata.shared, "spill_bytes": spills}
+
+
+def prefill(D, window):
+    bm, bn, warps, stages = ta._prefill_config(torch.bfloat16, D)
+    types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+    types.update(block_tables_ptr="*i32", cu_seqlens_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32")
+    const = dict(G=4, D=D, BS=16, BLOCK_M=bm, BLOCK_N=bn, HAS_CACHE=True, PREC="tf32",
+                 HAS_WINDOW=window)
+    return build(ta._prefill_kernel, types, const, warps, stages, sys.argv[1])
+
+
+def decode(cache_dtype, D, split, new_token, window):
+    bn, warps, stages = ta._decode_tile(D, cache_dtype)
+    c = "*" + NAMES[cache_dtype]
+    types = dict(q_ptr="*bf16", k_cache_ptr=c, v_cache_ptr=c, block_tables_ptr="*i32",
+                 seq_lens_ptr="*i32", out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32",
+                 new_k_ptr="*bf16", new_v_ptr="*bf16", positions_ptr="*i64", cos_sin_ptr="*fp32",
+                 slot_mapping_ptr="*i64", order_ptr="*i32", qk_scale="fp32")
+    const = dict(G=4, BLOCK_G=16, D=D, BS=16, BLOCK_N=bn, SPLIT=split, PREC="tf32",
+                 FP16_DOTS=cache_dtype.itemsize == 1, NEW_TOKEN=new_token,
+                 CACHE_MAX=448.0 if cache_dtype.itemsize == 1 else 0.0, PDL=False, HP=1,
+                 ORDERED=False, HAS_WINDOW=window)
+    return build(ta._decode_kernel, types, const, warps, stages, sys.argv[1])
+
+
+results = {}
+for D in (128, 256):
+    for window in (False, True):
+        results[f"prefill D={D} window={window}"] = prefill(D, window)
+results["decode bf16 D=256"] = decode(torch.bfloat16, 256, False, False, False)
+results["decode bf16 D=256 split window"] = decode(torch.bfloat16, 256, True, False, True)
+results["decode bf16 D=256 new token window"] = decode(torch.bfloat16, 256, False, True, True)
+results["decode fp8 D=256 split window"] = decode(torch.float8_e4m3fn, 256, True, False, True)
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_attention_tiles_compile_for_the_h200_within_shared_memory_and_registers(tmp_path):
+    """The prefill and decode kernels at D=128 and 256 (bf16, float8 pages, with
+    windows), compiled for sm_90a by Triton's own compiler and ptxas (no GPU
+    needed): each within an H200's 227 KB of shared memory and spilling no
+    register. A separate process: the Triton of this one may be interpreted."""
+    import json
+    import subprocess
+    import sys
+
+    triton = pytest.importorskip("triton")
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("this Triton has no bundled ptxas")
+    script = tmp_path / "compile_for_sm90.py"
+    script.write_text(_COMPILE_FOR_SM90)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, got in results.items():
+        assert got["shared"] <= 227 * 1024, (name, got)
+        assert got["spill_bytes"] == 0, (name, got)

@@ -99,13 +99,13 @@ def _decode_tile(row: int, dtype: torch.dtype) -> tuple[int, int, int]:
     `row` values (heads per program x head_dim) per token.
 
     The tiles keep their bytes as the row grows, so at D=256 (Gemma 3) they hold
-    32 tokens: 16-bit, K + V = 2 x 16 KB per stage, 3 stages = 96 KB of shared
-    memory; float8, 2 x 8 KB, 5 stages = 80 KB (an H200 has 227 KB per block).
-    Registers: the (16, D) float32 accumulator is 16 * 256 / (32 * warps) values
-    per thread, 32 with 16-bit pages' 4 warps. float8 pages at D=256 take 4 warps,
-    not 2: with 2, the accumulator (64), q in float16 (32) and the K and V tiles
-    widened to float16 (64 each) would near the 255-register limit and spill.
-    (Not measured on the GPU yet.)"""
+    32 tokens (16-bit and float8 alike). Compiled for sm_90a (ptxas 12.8; not
+    yet timed on the GPU), D=256 uses 41 KB of shared memory; 16-bit pages 96-115
+    registers (162 with RoPE and the store of the newest token), no spills.
+    float8 pages at D=256 take 4 warps, not 2: with 2 the (16, 256) float32
+    accumulator is 64 registers a thread, q and the K/V tiles widened to float16
+    as many again, and the kernel used all 255 and spilled 212 bytes; with 4,
+    198-204 registers and no spills."""
     row_bytes = row * dtype.itemsize
     if dtype.itemsize == 1:
         block_n = max(16, min(128, FP8_DECODE_TILE_BYTES // row_bytes))
@@ -146,15 +146,17 @@ def _prefill_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, i
     dots on FMA units, so small tiles keep them in registers; that path exists
     for correctness, not speed.
 
-    Shared memory per program is about Q + stages x (K + V) tiles: BLOCK_M * D *
-    2 + num_stages * 2 * BLOCK_N * D * 2 bytes for 16-bit inputs. At D=256
-    (Gemma 3; not measured on the GPU yet): 64 x 64 tiles, 4 warps, 2 stages =
-    32 + 2 x 64 = 160 KB of the H200's 227 KB (3 stages would be 224 KB, too
-    close). Registers: the (64, 256) float32 accumulator is 128 per thread, the
-    (64, 64) scores 32 more, as flash-attention 2's own D=256 kernels carry
-    (their 128-row tiles with 8 warps). 64-row query blocks rather than 128:
-    Gemma's 4-8 query heads make few programs per prompt. float32 at D=256:
-    32 x 32 tiles, 32 + 2 x 64 = 160 KB.
+    Shared memory per program is Q + stages x (K + V) tiles: BLOCK_M * D * 2 +
+    num_stages * 2 * BLOCK_N * D * 2 bytes for 16-bit inputs (128 KB at D=128).
+    At D=256 (Gemma 3; not yet timed on the GPU): 64 x 32 tiles, 8 warps, 3
+    stages: 32 + 3 x 32 = 128 KB of the H200's 227 KB, 194-202 registers and
+    no spills (compiled for sm_90a, ptxas 12.8, with and without a cached
+    prefix or a window). Every 4-warp choice there used all 255 registers and
+    spilled (64 x 64, 2 stages: 64-192 bytes; 64 x 32: 4-36): the (64, 256)
+    float32 accumulator alone is 128 registers a thread on 4 warps, 64 on 8.
+    128-row tiles (8 warps) reached 255 too. 64-row query blocks also suit
+    Gemma's 4-8 query heads, which make few programs per prompt. float32 at
+    D=256: 32 x 32 tiles (100 KB).
     """
     if dtype == torch.float32:
         return (64, 32, 4, 2) if head_dim <= 128 else (32, 32, 4, 2)
@@ -162,7 +164,7 @@ def _prefill_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, i
         return 64, 64, 4, 3
     if head_dim <= 128:
         return 128, 64, 8, 3
-    return 64, 64, 4, 2
+    return 64, 32, 8, 3
 
 
 def check_head_dim(head_dim: int) -> None:
