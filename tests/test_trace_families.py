@@ -155,7 +155,7 @@ def test_every_buffer_of_every_layer_against_transformers(family, monkeypatch):
         assert list(layers["-1"]) == ["embedding"]
         assert_same(layers["-1"]["embedding"], seen[-1, "embedding"][rows], (name, "embedding"))
         for i in range(n):
-            assert list(layers[str(i)]) == [b for b in BUFFERS[1:-1]], (name, i)
+            assert list(layers[str(i)]) == list(BUFFERS[1:-1]), (name, i)
             for buffer, got in layers[str(i)].items():
                 assert_same(got, seen[i, buffer][rows], (name, record["step"], i, buffer))
         # The final norm: only the row the LM head reads (the last of the step's rows).
@@ -170,8 +170,9 @@ def test_every_buffer_of_every_layer_against_transformers(family, monkeypatch):
             if not group:
                 assert key not in record, (name, key)
                 continue
-            for part in ("cos", "sin"):
-                assert_same(record[key][part], seen[group[0], part][rows], (name, key, part))
+            for i in group:
+                for part in ("cos", "sin"):
+                    assert_same(record[key][part], seen[i, part][rows], (name, key, i, part))
         if local:
             assert record["rope"]["cos"] != record["rope_local"]["cos"]
 
