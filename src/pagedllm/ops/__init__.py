@@ -36,6 +36,8 @@ OP_NAMES = (
     "linear",
     "linear_silu_and_mul",
     "linear_gelu_tanh_and_mul",
+    "fp8_linear",
+    "fp8_linear_act_and_mul",
     "apply_rope",
     "store_kvcache",
     "rope_and_store",

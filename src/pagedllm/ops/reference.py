@@ -92,6 +92,145 @@ def linear_gelu_tanh_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Ten
 
 
 # --------------------------------------------------------------------------
+# FP8 weights (issue 36)
+# --------------------------------------------------------------------------
+
+# A float8 e4m3 weight stores W / scale rounded to e4m3 (3 mantissa bits, largest
+# finite value 448); the scale is float32, one per output channel (row of W), or one
+# per (bs0, bs1) block of W when the checkpoint gives a `weight_block_size` (128 x
+# 128 in the published ones; the blocks at the right and bottom edges may be
+# partial). W = weight.float() * scale. The reference dequantizes and multiplies in
+# float32 and does not quantize the activations: it is what the CPU runs (a student
+# without a GPU, every test) and what transformers computes on the dequantized
+# weights. The GPU kernels (`ops/triton_fp8.py`) also round each activation row to
+# e4m3 with a per-row scale, which the tests' tolerances allow for.
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def fp8_scale_shape(
+    out_features: int, in_features: int, block_size: tuple[int, int] | None
+) -> tuple[int, ...]:
+    """The shape of the float32 scale for an (out, in) FP8 weight: (out,) per output
+    channel, or (ceil(out / bs0), ceil(in / bs1)) for `block_size` (bs0, bs1)."""
+    if block_size is None:
+        return (out_features,)
+    bs0, bs1 = block_size
+    return (-(-out_features // bs0), -(-in_features // bs1))
+
+
+def check_fp8_weight(
+    weight: torch.Tensor, weight_scale: torch.Tensor, block_size: tuple[int, int] | None
+) -> torch.Tensor:
+    """Check an FP8 weight and its scale; return the scale as float32, shaped as
+    `fp8_scale_shape` says (a per-channel scale given as (out, 1), (1,) or () is
+    accepted and reshaped or broadcast to (out,)). Raises a one-line ValueError."""
+    if weight.dtype != FP8_DTYPE or weight.dim() != 2:
+        raise ValueError(
+            f"FP8 weight of dtype {weight.dtype} and shape {tuple(weight.shape)}: expected a 2-D "
+            "torch.float8_e4m3fn tensor (out, in)"
+        )
+    out_features, in_features = weight.shape
+    if block_size is not None:
+        if len(block_size) != 2 or min(block_size) <= 0:
+            raise ValueError(f"FP8 block_size {block_size}: expected two positive ints (128, 128)")
+        block_size = (int(block_size[0]), int(block_size[1]))
+    want = fp8_scale_shape(out_features, in_features, block_size)
+    scale = weight_scale
+    if block_size is None and scale.numel() in (1, out_features) and scale.dim() <= 2:
+        scale = scale.reshape(-1).expand(out_features)  # per tensor or (out, 1): per channel
+    if tuple(scale.shape) != want:
+        kind = f"{block_size[0]}x{block_size[1]} block" if block_size else "output channel"
+        raise ValueError(
+            f"FP8 weight {tuple(weight.shape)} has a scale of shape {tuple(weight_scale.shape)}; "
+            f"one per {kind} is {want}"
+        )
+    return scale.float()
+
+
+def dequantize_fp8(
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block_size: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """W = weight.float() * scale, float32 (out, in): the scale per row (out,), or per
+    (bs0, bs1) block (ceil(out / bs0), ceil(in / bs1)) with `block_size`."""
+    scale = check_fp8_weight(weight, weight_scale, block_size)
+    w = weight.float()
+    if block_size is None:
+        return w * scale[:, None]
+    out_features, in_features = weight.shape
+    bs0, bs1 = block_size
+    full = scale.repeat_interleave(bs0, dim=0).repeat_interleave(bs1, dim=1)
+    return w * full[:out_features, :in_features]
+
+
+def quantize_fp8(
+    w: torch.Tensor, block_size: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight e4m3, scale float32) with dequantize_fp8(weight, scale, block_size) ~ w:
+    each output channel (or each block) scaled so that its largest |w| becomes 448,
+    then rounded to nearest even; an all-zero channel or block gets scale 1."""
+    wf = w.float()
+    out_features, in_features = wf.shape
+    if block_size is None:
+        amax = wf.abs().amax(dim=1)
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        q = (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        return q, scale
+    bs0, bs1 = block_size
+    n0, n1 = fp8_scale_shape(out_features, in_features, block_size)
+    padded = wf.new_zeros(n0 * bs0, n1 * bs1)
+    padded[:out_features, :in_features] = wf
+    blocks = padded.view(n0, bs0, n1, bs1)
+    amax = blocks.abs().amax(dim=(1, 3))  # (n0, n1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(n0 * bs0, n1 * bs1)[:out_features, :in_features].contiguous(), scale
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    block_size: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """A projection with FP8 weights: x (T, in) @ W.T (+ bias (out,)) -> (T, out) in
+    x's dtype, W = dequantize_fp8(weight, weight_scale, block_size) (see above),
+    weight (out, in) float8 e4m3, weight_scale float32 (out,) or block scales. The
+    sum (and the bias) in float32, rounded once."""
+    w = dequantize_fp8(weight, weight_scale, block_size)
+    y = x.float() @ w.T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+FP8_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def fp8_linear_act_and_mul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    act: str,
+    *,
+    block_size: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """The MLP's first half with FP8 weights: `fp8_linear` to (T, 2I) laid out [gate |
+    up], then `silu_and_mul` (act "silu") or `gelu_tanh_and_mul` ("gelu_tanh") ->
+    (T, I), rounded as `linear_silu_and_mul`."""
+    if act not in FP8_ACTIVATIONS:
+        raise ValueError(f"activation {act!r}: choose one of {', '.join(FP8_ACTIVATIONS)}")
+    if weight.dim() == 2 and weight.shape[0] % 2:
+        raise ValueError(f"gate/up weight with {weight.shape[0]} rows: expected [gate | up], even")
+    y = fp8_linear(x, weight, weight_scale, block_size=block_size)
+    return silu_and_mul(y) if act == "silu" else gelu_tanh_and_mul(y)
+
+
+# --------------------------------------------------------------------------
 # RoPE
 # --------------------------------------------------------------------------
 
