@@ -44,7 +44,7 @@ def tokenizer(smollm2_path):
 
 @pytest.fixture(scope="module")
 def client(smollm2_path, tokenizer):
-    c = EngineCoreClient(_config(smollm2_path), None, tokenizer)
+    c = EngineCoreClient(_config(smollm2_path), tokenizer)
     c.start(timeout_s=120)
     yield c
     c.shutdown()
@@ -154,7 +154,7 @@ def _wait_for(cond, timeout: float = 5.0) -> bool:
 
 
 def test_a_killed_core_ends_every_request_and_names_the_cause(smollm2_path, tokenizer):
-    c = EngineCoreClient(_config(smollm2_path), None, tokenizer)
+    c = EngineCoreClient(_config(smollm2_path), tokenizer)
     c.start(timeout_s=120)
     deaths = []
     c.on_death = deaths.append
@@ -184,7 +184,7 @@ def test_a_killed_core_ends_every_request_and_names_the_cause(smollm2_path, toke
 def test_a_core_that_cannot_start_says_why_in_one_line(tmp_path, tokenizer):
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 12)
-    c = EngineCoreClient(EngineConfig(model=str(bad), device="cpu"), None, tokenizer)
+    c = EngineCoreClient(EngineConfig(model=str(bad), device="cpu"), tokenizer)
     with pytest.raises(ValueError) as e:
         c.start(timeout_s=120)
     assert "\n" not in str(e.value) and "model.gguf" in str(e.value)
@@ -222,3 +222,31 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_core_takes_its_eos_ids_from_the_http_process(smollm2_path):
+    """The core loads no tokenizer (`load_tokenizer=False`); the HTTP process sends
+    the tokenizer's end-of-turn ids (`EosIds`), and requests added after them stop
+    there: the same engine, in this process."""
+    import msgspec
+
+    from pagedllm.engine.core_process import EosIds, ToCore
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    wire = msgspec.msgpack.Decoder(ToCore).decode(msgspec.msgpack.encode(EosIds([7, 9])))
+    assert wire == EosIds([7, 9])
+    engine = LLMEngine(_config(smollm2_path), log=lambda m: None, load_tokenizer=False)
+    assert engine.tokenizer is None
+    params = SamplingParams(max_tokens=6, temperature=0)
+
+    def greedy() -> tuple[list[int], str | None]:
+        req = engine.add_request([1, 504, 3287, 30], params, detokenize=False)
+        while not req.is_finished:
+            engine.step()
+        return req.output_token_ids, req.finish_reason
+
+    free, _ = greedy()
+    engine.add_eos_token_ids([free[2], 10**9])  # an id past the vocabulary is ignored
+    stopped, reason = greedy()
+    assert stopped == free[:3] and str(reason) in ("stop", "FinishReason.STOP")
+    engine.close()

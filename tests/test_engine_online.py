@@ -197,9 +197,10 @@ def test_decode_attention_takes_the_rows_longest_first(tiny, monkeypatch):
     calls = []
     real = reference.decode_attention
 
-    def spy(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=None, *, order=None):
+    def spy(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=None, **kw):
+        order = kw.get("order")
         calls.append((seq_lens.tolist(), None if order is None else order.tolist()))
-        return real(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, order=order)
+        return real(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, **kw)
 
     monkeypatch.setattr(reference, "decode_attention", spy)
     prompts = [list(range(3, 3 + n)) for n in (5, 40, 17, 90, 2)]

@@ -58,6 +58,14 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
+class EosIds(msgspec.Struct, tag="eos", array_like=True):
+    """The tokenizer's end-of-turn ids. The core loads no tokenizer (the HTTP
+    process has one, and loading Llama 3's took 0.5-0.8 s of the core's start-up);
+    the HTTP process sends these before any request."""
+
+    ids: list[int]
+
+
 # core -> HTTP process
 
 
@@ -109,7 +117,7 @@ class Step(msgspec.Struct, tag="step", array_like=True):
     gauges: Gauges
 
 
-ToCore = AddRequest | Abort | Shutdown
+ToCore = AddRequest | Abort | Shutdown | EosIds
 FromCore = Ready | Failed | Step
 
 
@@ -126,7 +134,6 @@ class CoreSetup:
     """What the core process needs to build its engine (pickled once, at spawn)."""
 
     config: Any  # EngineConfig (model path, load format, every engine flag)
-    tokenizer_spec: Any = None  # model_source.ModelSpec whose tokenizer the engine takes
     input_address: str = ""  # the HTTP process binds both; the core connects
     output_address: str = ""
     parent_pid: int = 0
@@ -198,16 +205,12 @@ def _build_engine(setup: CoreSetup):
     import torch  # noqa: F401 - timed on its own: a second or more of every start
 
     from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.model_source import load_tokenizer
 
     def log(message: str) -> None:
         print(f"[core] {message}", file=sys.stderr, flush=True)
 
     t1 = time.time()
-    tokenizer = None
-    if setup.tokenizer_spec is not None:
-        tokenizer = load_tokenizer(setup.tokenizer_spec, log=lambda m: None)
-    engine = LLMEngine(setup.config, None, tokenizer, log=log)
+    engine = LLMEngine(setup.config, None, None, log=log, load_tokenizer=False)
     since = setup.started_at or t0
     log(
         f"ready {time.time() - since:.1f} s after its spawn: started in {t0 - since:.1f} s, "
@@ -302,6 +305,8 @@ class EngineCoreLoop:
                     self.engine.abort(req)  # its final output comes with the next step
         elif isinstance(msg, Shutdown):
             self.stopping = True
+        elif isinstance(msg, EosIds):
+            self.engine.add_eos_token_ids(msg.ids)
 
     def _add(self, msg: AddRequest) -> None:
         from pagedllm.sampling_params import SamplingParams

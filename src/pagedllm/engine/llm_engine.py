@@ -38,7 +38,7 @@ import operator
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -107,7 +107,12 @@ class LLMEngine:
         model: LlamaModel | None = None,
         tokenizer: Tokenizer | None = None,
         log=print,
+        *,
+        load_tokenizer: bool = True,
     ) -> None:
+        """`tokenizer` None: the model's own is loaded, unless `load_tokenizer` is
+        False (the engine core of `pagedllm serve`: the HTTP process owns the text
+        and sends the tokenizer's end-of-turn ids, `add_eos_token_ids`)."""
         # The layers with tensors, imported here: the engine's own modules need no torch.
         from pagedllm.cpu_threads import apply_thread_policy
         from pagedllm.runner.model_runner import (
@@ -129,7 +134,7 @@ class LLMEngine:
             model = load_or_check_model(
                 config, model, max_positions, None if self.workers is None else self.workers.tp
             )
-            if tokenizer is None and model.source_path is not None:
+            if tokenizer is None and load_tokenizer and model.source_path is not None:
                 tokenizer = load_model_tokenizer(model.source_path, log)
             self.model = model
             self.tokenizer = tokenizer
@@ -248,6 +253,14 @@ class LLMEngine:
             self.workers.close()
 
     # ------------------------------------------------------------------
+    def add_eos_token_ids(self, ids: Iterable[int]) -> None:
+        """More ids that end a request (a tokenizer's end-of-turn tokens), for
+        requests added from now on. Ids past the vocabulary are ignored, as a
+        GGUF's are (config.py)."""
+        with self._lock:
+            more = frozenset(i for i in ids if 0 <= i < self.vocab_size)
+            self.eos_token_ids = self.eos_token_ids | more
+
     def add_request(
         self,
         prompt_token_ids: Sequence[int],

@@ -209,7 +209,7 @@ def serve_main(argv: list[str]) -> int:
     # The core process loads the model (every rank its own slice, with
     # --tensor-parallel-size: a preset is its directory with dummy weights)
     # while this process loads the tokenizer; the port listens once both are done.
-    engine = EngineCoreClient(config.replace(**engine_model(spec)), spec)
+    engine = EngineCoreClient(config.replace(**engine_model(spec)))
     workers = None
     try:
         engine.start_process()  # first: the rest of start-up runs beside its load
@@ -217,7 +217,7 @@ def serve_main(argv: list[str]) -> int:
 
         from pagedllm.server.app import build_app
 
-        engine.tokenizer = _tokenizer(spec, config, log)
+        engine.set_tokenizer(_tokenizer(spec, config, log))  # the core learns its EOS ids
         workers = _tokenize_pool(engine.tokenizer, args.tokenizer_workers, log)
         log(f"HTTP side ready after {time.perf_counter() - t0:.1f} s")
         ready = engine.wait_ready()

@@ -36,6 +36,7 @@ from pagedllm.engine.core_process import (
     Abort,
     AddRequest,
     CoreSetup,
+    EosIds,
     Failed,
     FromCore,
     Gauges,
@@ -95,7 +96,7 @@ class ClientRequest:
 class EngineCoreClient:
     """Start the core, then (on the serving event loop) add, abort and stream.
 
-    client = EngineCoreClient(config, tokenizer_spec, tokenizer)
+    client = EngineCoreClient(config, tokenizer)
     ready = client.start()           # blocking: spawn, load, "ready" (or an error)
     ...                              # inside the event loop (the app's lifespan):
     await client.attach()
@@ -106,11 +107,9 @@ class EngineCoreClient:
     def __init__(
         self,
         config: Any,
-        tokenizer_spec: Any = None,
         tokenizer: Any = None,
     ) -> None:
         self.config = config
-        self.tokenizer_spec = tokenizer_spec
         self.tokenizer = tokenizer
         self.ready: Ready | None = None
         self.error: str | None = None  # why the core stopped, once it did
@@ -146,7 +145,6 @@ class EngineCoreClient:
         """Spawn the core; it loads the model while the caller does other work."""
         setup = CoreSetup(
             config=self.config,
-            tokenizer_spec=self.tokenizer_spec,
             input_address=f"ipc://{self._dir}/in",
             output_address=f"ipc://{self._dir}/out",
             parent_pid=os.getpid(),
@@ -156,6 +154,22 @@ class EngineCoreClient:
         # Not a daemon: with tensor parallelism the core starts worker processes.
         self.process = ctx.Process(target=run_engine_core, args=(setup,), name="pagedllm-core")
         self.process.start()
+        if self.tokenizer is not None:
+            self.set_tokenizer(self.tokenizer)
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """This process's tokenizer (None: token ids only). The core loads none of
+        its own; it learns the tokenizer's end-of-turn ids from here, before any
+        request (the input socket keeps order). Call after `start_process`."""
+        self.tokenizer = tokenizer
+        if tokenizer is None or not tokenizer.eos_token_ids:
+            return
+        # The core connects its sockets as soon as it starts; until then a send
+        # would find no peer. Wait for it (or for its death, which wait_ready reports).
+        while not self._to_core.poll(100, zmq.POLLOUT):
+            if not self.process.is_alive():
+                return
+        self._send(EosIds(list(tokenizer.eos_token_ids)))
 
     def wait_ready(self, timeout_s: float | None = None) -> Ready:
         """Wait for the core's `Ready` (ValueError with its reason if it failed)."""
