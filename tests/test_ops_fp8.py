@@ -1,20 +1,52 @@
 """FP8 weight ops (issue 36): the reference against a float32 oracle, and the Triton
-FP8 GEMV against the reference on the CPU under TRITON_INTERPRET=1.
+FP8 kernels against both on the CPU under TRITON_INTERPRET=1.
 
 The reference (`reference.fp8_linear`) dequantizes W = weight * scale (per output
-channel, or per 128 x 128 block) and multiplies in float32; these tests build W
-by hand from the e4m3 bits and the scales and check the reference to float32
-rounding. The Triton kernels also round each activation row to e4m3 (absmax /
-448 per row), so they are held to the reference within that error (see
-`ACT_QUANT_TOL`).
+channel, or per block) and multiplies in float32; these tests build W by hand
+from the e4m3 bits and the scales and check the reference to float32 rounding.
+
+The Triton kernels (`ops/triton_fp8.py`) also round the activations to e4m3:
+the GEMV per row and chunk of BLOCK_K columns, the GEMM per row (per channel)
+or per row and group of bs1 columns (block scales). Each kernel is held two
+ways: to 1e-5 of a float32 matmul of x quantized as `quantize_activations_
+reference` says (the same rounding: what is left is float32 summation order),
+and to `ACT_QUANT_TOL` of the reference. That tolerance: e4m3 keeps 3 mantissa
+bits, so a quantized activation is off by at most 2^-4 of itself, about 2^-4 /
+sqrt(3) = 3.6 % rms for values spread over a binade; a dot's independent
+errors leave the result off by about that fraction of its norm (measured here:
+2-4 %). The compiled kernels, and `torch._scaled_mm`, are
+tests/test_gpu_fp8_ops.py.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from pagedllm.ops import reference as ref
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pagedllm.ops import reference as ref  # noqa: E402
+
+ACT_QUANT_TOL = 0.05  # relative (norm) error against the unquantized reference
+
+
+def _interpreted_triton():
+    """triton_fp8 when its kernels run in the interpreter, else None (the module's
+    Triton tests skip: compiled kernels cannot take CPU tensors)."""
+    try:
+        from pagedllm.ops import triton_fp8
+    except ImportError:
+        return None
+    return triton_fp8 if triton_fp8._interpreted() else None
+
+
+tf = _interpreted_triton()
+needs_interpreter = pytest.mark.skipif(
+    tf is None, reason="needs Triton's CPU interpreter (TRITON_INTERPRET=1 before Triton loads)"
+)
 
 
 def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
@@ -93,3 +125,174 @@ def test_bad_fp8_weights_get_one_line_errors():
     full = ref.fp8_linear(x, w, torch.full((6,), 0.5))
     assert torch.equal(ref.fp8_linear(x, w, torch.tensor(0.5)), full)
     assert torch.equal(ref.fp8_linear(x, w, torch.full((6, 1), 0.5)), full)
+
+
+# --------------------------------------------------------------------------
+# The Triton kernels, interpreted
+# --------------------------------------------------------------------------
+
+
+def quantized_oracle(x, weight, scale, block_size, group, bias=None, act=None):
+    """What the kernels compute, in float32: x quantized in groups of `group`
+    columns (None: per row) by `quantize_activations_reference`, dequantized, times
+    the dequantized W, (+ bias), rounded to x's dtype, (then act(gate) * up)."""
+    xq, xs = tf.quantize_activations_reference(x, group)
+    g = group or x.shape[1]
+    xd = xq.float() * xs[:, torch.arange(x.shape[1]) // g]
+    y = xd @ ref.dequantize_fp8(weight, scale, block_size).T
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(x.dtype)
+    if act is None:
+        return y
+    return ref.silu_and_mul(y) if act == "silu" else ref.gelu_tanh_and_mul(y)
+
+
+def reference_op(x, weight, scale, block_size, bias=None, act=None):
+    if act is None:
+        return ref.fp8_linear(x, weight, scale, bias=bias, block_size=block_size)
+    return ref.fp8_linear_act_and_mul(x, weight, scale, act, block_size=block_size)
+
+
+# Shapes that are not multiples of any tile: 150 output rows (BLOCK_N 64), 300
+# columns (BLOCK_K 128); block scales of 32 x 64 leave partial blocks at both edges.
+SCALES = [None, (32, 64)]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("block_size", SCALES, ids=["channel", "block32x64"])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_gemv_matches_the_quantized_oracle_and_the_reference(block_size, rows):
+    """The GEMV (T <= 16, through the op): with a bias, and act_and_mul with SiLU
+    (T = 3: GeGLU); x quantized per row and chunk of 64 columns (BLOCK_K 128
+    halved to divide bs1) or 128 (per channel)."""
+    gen = torch.Generator().manual_seed(rows)
+    w, s = ref.quantize_fp8(torch.randn(150, 300, generator=gen), block_size)
+    x = torch.randn(rows, 300, generator=gen)
+    bias = torch.randn(150, generator=gen)
+    group = 64 if block_size else 128
+    got = tf.fp8_linear(x, w, s, bias=bias, block_size=block_size)
+    assert got.shape == (rows, 150) and got.dtype == x.dtype
+    want = quantized_oracle(x, w, s, block_size, group, bias)
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(got, reference_op(x, w, s, block_size, bias)) < ACT_QUANT_TOL
+    act = "gelu_tanh" if rows == 3 else "silu"
+    w2, s2 = ref.quantize_fp8(torch.randn(2 * 75, 300, generator=gen), block_size)
+    got = tf.fp8_linear_act_and_mul(x, w2, s2, act, block_size=block_size)
+    assert got.shape == (rows, 75)
+    assert rel_err(got, quantized_oracle(x, w2, s2, block_size, group, act=act)) < 1e-5
+    assert rel_err(got, reference_op(x, w2, s2, block_size, act=act)) < ACT_QUANT_TOL
+
+
+@needs_interpreter
+def test_gemv_in_bf16_and_with_128x128_blocks():
+    """bf16 activations and output (the model's dtype), 128 x 128 block scales as the
+    published checkpoints have them: within bf16 rounding of the oracle."""
+    gen = torch.Generator().manual_seed(7)
+    w, s = ref.quantize_fp8(torch.randn(200, 260, generator=gen), (128, 128))
+    x = torch.randn(2, 260, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(200, generator=gen).to(torch.bfloat16)
+    got = tf.fp8_linear(x, w, s, bias=bias, block_size=(128, 128))
+    assert got.dtype == torch.bfloat16
+    want = quantized_oracle(x, w, s, (128, 128), 128, bias)
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-2)  # a bf16 step or so
+    assert rel_err(got, reference_op(x, w, s, (128, 128), bias)) < ACT_QUANT_TOL
+
+
+@needs_interpreter
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_gemv_split_k_adds_the_splits_in_order_and_resets_its_counts(act):
+    """Split K (forced: 3 programs a tile, K = 700 in 11 chunks of 64): the last
+    program of each tile adds the partial sums; the counts are zero afterwards, and
+    a second call gives the same bits."""
+    gen = torch.Generator().manual_seed(3)
+    n = 2 * 70 if act else 140
+    w, s = ref.quantize_fp8(torch.randn(n, 700, generator=gen))
+    x = torch.randn(4, 700, generator=gen) * 0.2  # gates within exp's range
+    s = ref.check_fp8_weight(w, s, None)
+    cfg = (64, 64, 4, 2, 3)
+    got = tf.gemv(x, w, s, act=act, config=cfg)
+    assert rel_err(got, quantized_oracle(x, w, s, None, 64, act=act)) < 1e-5
+    _, counts = tf._WORKSPACE[x.device]
+    assert int(counts.abs().sum()) == 0
+    assert torch.equal(tf.gemv(x, w, s, act=act, config=cfg), got)
+    one = tf.gemv(x, w, s, act=act, config=(64, 64, 4, 2, 1))
+    assert rel_err(one, got) < 1e-6
+
+
+@needs_interpreter
+def test_gemv_split_choice():
+    """Enough programs for two a multiprocessor, at least 4 chunks each, at most 16."""
+    assert tf.gemv_split(64, 4096, 128, 132) == 5  # 8B o_proj: 64 tiles -> 320 programs
+    assert tf.gemv_split(64, 14336, 128, 132) == 5  # down
+    assert tf.gemv_split(224, 4096, 128, 132) == 2  # gate/up (224 tiles of 64 + 64)
+    assert tf.gemv_split(1000, 4096, 128, 132) == 1
+    assert tf.gemv_split(8, 300, 128, 132) == 1  # 3 chunks: too few to share
+    assert tf.gemv_split(1, 1 << 20, 128, 132) == 16
+
+
+@needs_interpreter
+@pytest.mark.parametrize("group", [None, 64, 48])
+def test_quantize_activations_kernel_matches_its_reference_bit_for_bit(group):
+    """Per row (two passes over K = 2,500, more than a chunk of 2,048) and per group
+    (K not a multiple of the group; a group of 48 is not a power of two); an
+    all-zero row gets scale 0 and zeros, never NaN."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 2500, generator=gen).to(torch.bfloat16) * 30
+    x[1] = 0
+    q, scale = tf.quantize_activations(x, group)
+    want_q, want_s = tf.quantize_activations_reference(x, group)
+    assert q.dtype == ref.FP8_DTYPE and scale.shape == want_s.shape
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale, want_s)
+    assert torch.all(scale[1] == 0) and torch.all(q[1].float() == 0)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("block_size", SCALES, ids=["channel", "block32x64"])
+def test_gemm_for_more_than_16_rows(block_size):
+    """T = 20 goes to the Triton GEMM here (torch._scaled_mm needs CUDA): x per row
+    (per channel) or per row and group of bs1 (block scales), tiles forced small
+    so that a 150 x 300 weight spans several, with partial edges."""
+    gen = torch.Generator().manual_seed(11)
+    w, s = ref.quantize_fp8(torch.randn(150, 300, generator=gen), block_size)
+    x = torch.randn(20, 300, generator=gen)
+    bias = torch.randn(150, generator=gen)
+    s32 = ref.check_fp8_weight(w, s, block_size)
+    group = block_size[1] if block_size else None
+    got = tf.gemm(x, w, s32, block_size=block_size, bias=bias, config=(16, 64, 4, 2, 2))
+    assert rel_err(got, quantized_oracle(x, w, s, block_size, group, bias)) < 1e-5
+    assert rel_err(got, reference_op(x, w, s, block_size, bias)) < ACT_QUANT_TOL
+
+
+@needs_interpreter
+def test_dispatch_by_rows_and_act_and_mul_past_the_gemv(monkeypatch):
+    """fp8_linear sends T <= GEMV_MAX_ROWS to the GEMV and more to the GEMM; act_and_mul
+    past the GEMV runs the GEMM, then the SwiGLU kernel, rounded as the reference."""
+    gen = torch.Generator().manual_seed(13)
+    w, s = ref.quantize_fp8(torch.randn(64, 128, generator=gen))
+    x = torch.randn(5, 128, generator=gen)
+    monkeypatch.setattr(tf, "GEMM_CONFIG", (16, 32, 4, 2, 1))
+    assert rel_err(tf.fp8_linear(x, w, s), quantized_oracle(x, w, s, None, 128)) < 1e-5
+    monkeypatch.setattr(tf, "GEMV_MAX_ROWS", 4)  # 5 rows: the GEMM, x quantized per row
+    assert rel_err(tf.fp8_linear(x, w, s), quantized_oracle(x, w, s, None, None)) < 1e-5
+    got = tf.fp8_linear_act_and_mul(x, w, s, "silu")
+    assert rel_err(got, quantized_oracle(x, w, s, None, None, act="silu")) < 1e-5
+
+
+@needs_interpreter
+def test_triton_ops_give_one_line_errors_and_zero_rows():
+    gen = torch.Generator().manual_seed(17)
+    w, s = ref.quantize_fp8(torch.randn(6, 32, generator=gen))
+    with pytest.raises(ValueError, match=r"scale of shape \(5,\); one per output channel"):
+        tf.fp8_linear(torch.randn(1, 32), w, s[:5])
+    with pytest.raises(ValueError, match=r"x of shape \(1, 31\) against a weight \(6, 32\)"):
+        tf.fp8_linear(torch.randn(1, 31), w, s)
+    with pytest.raises(ValueError, match="activation 'relu'"):
+        tf.fp8_linear_act_and_mul(torch.randn(1, 32), w, s, "relu")
+    with pytest.raises(ValueError, match="bs1 % 16 == 0"):
+        tf.fp8_linear(torch.randn(1, 32), w, torch.ones(1, 4), block_size=(8, 8))
+    assert tf.fp8_linear(torch.randn(0, 32), w, s).shape == (0, 6)
+    # An all-zero row of x: exactly the bias, no NaN from a zero scale.
+    bias = torch.randn(6, generator=gen)
+    assert torch.equal(tf.fp8_linear(torch.zeros(2, 32), w, s, bias=bias), bias.expand(2, 6))

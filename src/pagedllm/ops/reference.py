@@ -102,8 +102,9 @@ def linear_gelu_tanh_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Ten
 # partial). W = weight.float() * scale. The reference dequantizes and multiplies in
 # float32 and does not quantize the activations: it is what the CPU runs (a student
 # without a GPU, every test) and what transformers computes on the dequantized
-# weights. The GPU kernels (`ops/triton_fp8.py`) also round each activation row to
-# e4m3 with a per-row scale, which the tests' tolerances allow for.
+# weights. The GPU kernels (`ops/triton_fp8.py`) also round the activations to e4m3,
+# with a scale per row (or per row and chunk of K), which the tests' tolerances
+# allow for.
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
