@@ -136,7 +136,7 @@ BAD_HEADERS = [
     ("missing dtype", {"w": {"shape": [2], "data_offsets": [0, 8]}}, "missing 'dtype'"),
     ("int8", {"w": entry(dtype="I8", offsets=[0, 2])}, "unsupported dtype 'I8'"),
     ("f64", {"w": entry(dtype="F64", offsets=[0, 16])}, "unsupported dtype 'F64'"),
-    ("fp8", {"w": entry(dtype="F8_E4M3", offsets=[0, 2])}, "unsupported dtype 'F8_E4M3'"),
+    ("fp8 e5m2", {"w": entry(dtype="F8_E5M2", offsets=[0, 2])}, "unsupported dtype 'F8_E5M2'"),
     ("made-up dtype", {"w": entry(dtype="Q4")}, "unknown dtype 'Q4'"),
     ("negative dim", {"w": entry(shape=[-2])}, "non-negative ints"),
     ("float dim", {"w": entry(shape=[2.0])}, "non-negative ints"),

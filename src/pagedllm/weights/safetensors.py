@@ -13,7 +13,7 @@ reader, the `safetensors` package, so that we never accept a file it rejects):
 - the header is strict JSON (no NaN/Infinity, no lone surrogates) holding an
   object; `__metadata__`, when present, maps str -> str;
 - every tensor entry holds exactly `dtype`, `shape` and `data_offsets`: a
-  supported dtype (BF16, F16, F32), a shape of non-negative ints whose
+  supported dtype (BF16, F16, F32, and F8_E4M3: FP8 checkpoints), a shape of non-negative ints whose
   element count fits 64 bits, and `[begin, end]` with
   `end - begin == numel * itemsize`;
 - the tensors tile the data area exactly: sorted by offsets, each begins where
@@ -62,15 +62,17 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 # safetensors dtype name -> (torch dtype, numpy dtype with the same bit pattern).
-# numpy has no bfloat16, so BF16 bytes go through int16 and are re-viewed in torch.
+# numpy has neither bfloat16 nor float8, so BF16 bytes go through int16 and F8_E4M3
+# bytes (FP8 checkpoints' weights: `weights/fp8.py`) through uint8, re-viewed in torch.
 _DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
     "BF16": (torch.bfloat16, np.dtype("<i2")),
     "F16": (torch.float16, np.dtype("<f2")),
     "F32": (torch.float32, np.dtype("<f4")),
+    "F8_E4M3": (torch.float8_e4m3fn, np.dtype("u1")),
 }
 # Known to the format but not to us: named in the error so the user knows why.
 _KNOWN_UNSUPPORTED = (
-    "BOOL U8 I8 U16 I16 U32 I32 U64 I64 F64 F8_E4M3 F8_E5M2 F8_E8M0 F6_E2M3 F6_E3M2 F4 C64"
+    "BOOL U8 I8 U16 I16 U32 I32 U64 I64 F64 F8_E5M2 F8_E8M0 F6_E2M3 F6_E3M2 F4 C64"
 ).split()
 SUPPORTED_DTYPES = tuple(_DTYPES)
 
