@@ -13,7 +13,7 @@ holds every id that ends a turn (Llama 3 Instruct has three); token ids are
 in [0, vocab_size) (a GGUF's id past them is dropped, as llama.cpp does). A
 value that breaks them is a `ValueError` naming the key (and the file, when
 read from one). Anything we do not support (another architecture, another RoPE type) is
-refused by name.
+refused by name. `quantization_config` (FP8 checkpoints) is read by `quantization.py`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
+
+from pagedllm.quantization import QuantizationConfig, parse_quantization_config
 
 # The families one engine runs (docs/architecture.md, "One engine, five families"):
 # each differs from Llama in a few switches of `ModelConfig`.
@@ -97,6 +99,9 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()
     local_rope_theta: float | None = None  # RoPE base of the windowed layers (Gemma 3)
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    # How the checkpoint stores its weights (config.json's quantization_config: FP8
+    # formats, `quantization.py`); None: in a float dtype, as every GGUF we read.
+    quantization: QuantizationConfig | None = None
 
     def __post_init__(self) -> None:
         """The last line of defence, for configs built in code: every field checked.
@@ -146,6 +151,8 @@ class ModelConfig:
                 )
             for w in self.layer_windows:
                 _as_int(w, "layer_windows", where, minimum=0)
+        if self.quantization is not None and not isinstance(self.quantization, QuantizationConfig):
+            _fail(where, "quantization", self.quantization, "a QuantizationConfig or None")
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding window: 0 = none (full causal attention)."""
@@ -361,6 +368,7 @@ class ModelConfig:
                     cfg["final_logit_softcapping"], "final_logit_softcapping", source, positive=True
                 )
             ),
+            quantization=parse_quantization_config(cfg.get("quantization_config"), source),
         )
 
     # ---------------------------------------------------------------- GGUF
