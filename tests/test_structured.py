@@ -456,3 +456,30 @@ def test_bad_rows_and_buffers_are_clear_errors(cache):
         m.allowed(np.zeros(cache.adapter.words, np.int64))
     with pytest.raises(ValueError, match="outside"):
         fill_bitmask(allocate_bitmask(2, cache.adapter.vocab_size, pin=False), [(2, m)])
+
+
+def test_a_tokenizer_that_raises_does_not_break_matchers(tok):
+    """llguidance calls the tokenizer while it fills a mask whose next bytes are
+    forced (`{"name":"`); an exception there would be a panic (the matcher's
+    error state): the adapter swallows it, the tokens are only a hint."""
+
+    class Raising:
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+        def encode(self, *args, **kwargs):
+            raise RuntimeError("boom")
+
+    from pagedllm.structured import TokenizerAdapter
+
+    c = ConstraintCache(TokenizerAdapter(Raising(tok)))
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    m = c.matcher(StructuredOutput(json=schema, whitespace="compact"))
+    row = np.zeros(c.adapter.words, np.int32)
+    for t in tok.encode('{"name":"Al"}'):
+        m.allowed(row)
+        assert t in allowed_ids(row) and m.advance(t), m.error
+    assert m.can_end

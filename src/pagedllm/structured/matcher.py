@@ -69,8 +69,9 @@ class TokenizerAdapter:
         # Byte-level BPE and SentencePiece alike: the bytes each id decodes to
         # ("▁" already a space, "<0x0A>" already the byte). Unused ids are b"".
         tokens = [tokenizer.token_bytes(i) for i in range(self.vocab_size)]
-        wrapper = llguidance.TokenizerWrapper(_Tokenize(tokenizer, tokens, eos))
-        self.ll = llguidance.LLTokenizer(wrapper, eos_token=eos)
+        tokenize = _Tokenize(tokenizer, tokens, eos)
+        self.ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(tokenize), eos_token=eos)
+        tokenize.fallback = self.ll.greedy_tokenize
         # Parse errors in matchers say which token broke the grammar, not the
         # parser's whole state (which would echo the schema into logs).
         self.limits = llguidance.LLParserLimits(verbose_errors=False)
@@ -81,9 +82,16 @@ class TokenizerAdapter:
 
 class _Tokenize:
     """What llguidance's `TokenizerWrapper` reads: the vocabulary's bytes, the
-    special ids, EOS, and a text -> ids function (used for token healing and
-    forced tokens, never for masks). Text only: raising on bytes makes the
-    wrapper hand us `str`, which our encoder takes."""
+    special ids, EOS, and a text -> ids function. llguidance calls the
+    function while it fills a mask whose next bytes are forced (`{"name":"`),
+    to allow only the tokens our BPE would write for them: in a JSON output
+    about once per two tokens, 10-30 us each (holding the GIL, also from the
+    threads of `fill_bitmask`). Text only: raising on
+    bytes makes the wrapper hand us `str`, which our encoder takes. It must
+    never raise on text: an exception there is a panic in llguidance, which
+    would put the request's matcher in its error state; should our encoder
+    fail, llguidance's greedy longest-match tokenization answers instead.
+    """
 
     def __init__(self, tokenizer: Any, tokens: list[bytes], eos: list[int]) -> None:
         self.eos_token_id = eos[0]
@@ -91,11 +99,15 @@ class _Tokenize:
         self.tokens = tokens
         self.special_token_ids = sorted(tokenizer.special_token_ids)
         self._tokenizer = tokenizer
+        self.fallback: Any = None  # set once the LLTokenizer exists
 
     def __call__(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise TypeError("text only")
-        return self._tokenizer.encode(text, allow_special=False)
+        try:
+            return self._tokenizer.encode(text, allow_special=False)
+        except Exception:  # llguidance's own greedy tokenization (in Rust) instead
+            return self.fallback(text) if self.fallback is not None else []
 
 
 _adapters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
