@@ -36,6 +36,7 @@ from pagedllm.engine_config import (
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     OPS_CHOICES,
+    QUANTIZATIONS,
     EngineConfig,
 )
 
@@ -128,6 +129,14 @@ _FLAGS: dict[str, _Flag] = {
         "dummy: random weights of the config's shape, made on the device (no weights "
         "read; --model is then an HF directory)",
         choices=LOAD_FORMATS,
+        group="model",
+    ),
+    "quantization": _Flag(
+        "fp8: quantize the decoder layers' projections to float8 e4m3 as they load, one "
+        "scale per output channel (embeddings, norms and LM head stay in --dtype); an FP8 "
+        "checkpoint loads as FP8 either way. On the CPU, FP8 weights are dequantized: "
+        "fp8 rounds the projections through FP8 and back, for the GPU's numbers",
+        choices=QUANTIZATIONS,
         group="model",
     ),
     "device": _Flag(

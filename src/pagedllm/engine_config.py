@@ -34,6 +34,12 @@ LOAD_FORMATS = ("auto", "dummy")
 # no scale (ops/reference.py `to_cache_dtype`): twice bf16's tokens per MiB, and
 # decode attention reads half the bytes, at 3 mantissa bits of precision.
 KV_CACHE_DTYPES = ("auto", "fp8")
+# "none": the weights as the checkpoint stores them (an FP8 checkpoint's stay FP8 on
+# CUDA); "fp8": a float checkpoint's decoder projections become float8 e4m3 with one
+# scale per output channel as they load (embeddings, norms and LM head stay in the
+# model's dtype, as vLLM's). On the CPU, FP8 weights are dequantized into the model's
+# dtype: "fp8" then rounds each projection through FP8 and back (model/loader.py).
+QUANTIZATIONS = ("none", "fp8")
 MAX_NUM_SEQS = 65535  # the most programs on a CUDA grid's y and z axes
 
 
@@ -41,6 +47,7 @@ MAX_NUM_SEQS = 65535  # the most programs on a CUDA grid's y and z axes
 class EngineConfig:
     model: str | None = None  # a path, or None for the default model
     load_format: str = "auto"  # see LOAD_FORMATS
+    quantization: str = "none"  # see QUANTIZATIONS
     device: str | None = None  # "cpu", "cuda", "cuda:1"; None: CUDA when present
     dtype: str | None = None  # "float32", "bfloat16", "float16"; None: per device
     kv_cache_mib: float | None = None  # K+V of all layers; None: sized from free memory
@@ -71,6 +78,7 @@ class EngineConfig:
         _check_choice("admission", self.admission, ADMISSION_POLICIES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("quantization", self.quantization, QUANTIZATIONS)
         if self.ops is not None:
             _check_choice("ops", self.ops, OPS_CHOICES)
         for name in ("prefix_caching", "chunked_prefill"):

@@ -28,7 +28,7 @@ from pagedllm.engine_config import EngineConfig
 from pagedllm.model import load_model
 from pagedllm.model.batch import ForwardBatch
 from pagedllm.model.llama import KVCache, LlamaModel
-from pagedllm.model.loader import resolve_device, resolve_dtype
+from pagedllm.model.loader import model_quantization, resolve_device, resolve_dtype
 from pagedllm.model.parallel import TensorParallel
 from pagedllm.ops import implementation_name
 from pagedllm.ops.reference import FP8_KV_DTYPE
@@ -129,6 +129,13 @@ def load_or_check_model(
             max_model_len=max_positions,
             tp=tp,
             load_format=config.load_format,
+            quantization=config.quantization,
+        )
+    if config.quantization == "fp8" and model_quantization(model) != "fp8":
+        # A model loaded without FP8 weights would run in its own dtype under an fp8 label.
+        raise ValueError(
+            "quantization='fp8' but the model given was loaded without FP8 weights; load "
+            "it with quantization='fp8', or leave quantization unset"
         )
     if config.device is not None:
         # An already loaded model is used as it is: a device or dtype that says

@@ -69,6 +69,7 @@ class WorkerSetup:
     max_positions: int
     threads: int | None
     load_format: str = "auto"  # or "dummy": random weights, this rank's slice
+    quantization: str = "none"  # or "fp8": EngineConfig.quantization
 
 
 def rank_device(device_type: str, rank: int) -> torch.device:
@@ -373,6 +374,7 @@ def _worker_loop(rank, size, port, setup: WorkerSetup, steps) -> None:
         max_model_len=setup.max_positions,
         tp=tp,
         load_format=setup.load_format,
+        quantization=setup.quantization,
     )
     kind, kwargs = steps.recv()
     if kind == "free_memory":  # rank 0 sizes every rank's pool by the least free memory
