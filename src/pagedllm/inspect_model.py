@@ -17,6 +17,9 @@ and numbers (sliding windows compactly, "5 of every 6 layers windowed at 512";
 RoPE bases; attention scale; norms; the MLP's activation; embedding scale),
 `tokenizer_info` which tokenizer the engine would build, from the same
 headers (a GGUF's `tokenizer.*` keys; an HF directory's tokenizer.json).
+An FP8 checkpoint's quantization (`quantization_info`: its method and scheme
+from config.json's quantization_config, which tensors are float8 and which
+modules it leaves in the model's dtype) is read from the same headers.
 
 Owns: `inspect_checkpoint` (one plain dict: the config the loader would
 build, the file's own description, the family's switches, the tokenizer, the
@@ -240,6 +243,7 @@ def _inspect_gguf(path: Path) -> dict[str, Any]:
             },
             "model_config": config,  # inspect_checkpoint's, for the family's switches
             "tokenizer": _gguf_tokenizer(meta),
+            "quantization": None,  # a GGUF's quantized types are in its tensor table
             "gguf": {
                 "version": g.version,
                 "metadata_keys": len(meta),
@@ -272,7 +276,50 @@ def _inspect_hf_dir(path: Path, weights: bool = True) -> dict[str, Any]:
         },
         "model_config": config,  # inspect_checkpoint's, for the family's switches
         "tokenizer": _hf_tokenizer(path) if weights else _preset_tokenizer(path.name),
+        "quantization": quantization_info(config.quantization, tensors),
         "tensors": tensors,
+    }
+
+
+# The projections a layer may hold in FP8, in the order a layer runs them.
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantization_info(q, tensors: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A checkpoint's FP8 quantization (`q`: its `QuantizationConfig`, None: none) as
+    plain values: the method, one line per scheme, the `ignore` list, and from the
+    tensor table which projections are float8 in how many layers, how many scales
+    there are and which projections stay in a float dtype."""
+    if q is None:
+        return None
+    from pagedllm.weights.fp8 import PROJECTION, SCALE_NAMES
+
+    fp8: dict[str, set[int]] = {}
+    dense: list[str] = []
+    scales = 0
+    for t in tensors:
+        module, _, leaf = t["name"].rpartition(".")
+        if leaf in SCALE_NAMES:
+            scales += 1
+        elif leaf == "weight" and PROJECTION.fullmatch(module):
+            if t["type"] == "F8_E4M3":
+                layer, proj = int(module.split(".")[2]), module.rpartition(".")[2]
+                fp8.setdefault(proj, set()).add(layer)
+            else:
+                dense.append(module)
+    return {
+        "method": q.method,
+        "format": q.format,
+        "description": q.describe(),
+        "schemes": [
+            {"targets": list(targets), "scheme": scheme.describe()} for targets, scheme in q.groups
+        ],
+        "ignore": list(q.ignore),
+        # projection -> the layers in which it is float8
+        "fp8_projections": {p: sorted(fp8[p]) for p in _PROJECTIONS if p in fp8},
+        "fp8_tensors": sum(len(v) for v in fp8.values()),
+        "scale_tensors": scales,
+        "unquantized_projections": dense,
     }
 
 
@@ -509,6 +556,11 @@ def format_config(info: dict[str, Any]) -> str:
     ]
     if info["format"] != "gguf":
         rows.append(("dtype", f"{c['dtype']} (config.json)"))
+    q = info.get("quantization")
+    if q is not None:
+        rows.append(("quantization", q["description"]))
+        if not preset:
+            rows.append(("FP8 tensors", _fp8_tensors_text(q, c["num_hidden_layers"])))
     if preset:
         weights = (
             f"none in a preset: {s['parameters']:,} parameters of this shape "
@@ -524,6 +576,31 @@ def format_config(info: dict[str, Any]) -> str:
         lines[1] = head
     lines += [f"  {k:<{width}}  {v}" for k, v in rows]
     return "\n".join(lines)
+
+
+def _fp8_tensors_text(q: dict[str, Any], num_layers: int) -> str:
+    """ "14 float8 projections (q/k/v/o_proj, gate/up/down_proj in all 2 layers), 14
+    scales; in the model's dtype: model.layers.1.mlp.down_proj" """
+    by_layers: dict[tuple[int, ...], list[str]] = {}
+    for proj, layers in q["fp8_projections"].items():
+        by_layers.setdefault(tuple(layers), []).append(proj)
+    parts = []
+    for layers, projs in by_layers.items():
+        where = (
+            f"all {plural(num_layers, 'layer')}"
+            if list(layers) == list(range(num_layers))
+            else f"{'layer' if len(layers) == 1 else 'layers'} {_ranges(list(layers))}"
+        )
+        parts.append(f"{', '.join(projs)} in {where}")
+    text = (
+        f"{plural(q['fp8_tensors'], 'float8 projection')} ({'; '.join(parts) or 'none'}), "
+        f"{plural(q['scale_tensors'], 'scale')}"
+    )
+    dense = q["unquantized_projections"]
+    if dense:
+        shown = ", ".join(dense[:4]) + (f" and {len(dense) - 4} more" if len(dense) > 4 else "")
+        text += f"; projections in a float dtype: {shown}"
+    return text
 
 
 def format_tensors(info: dict[str, Any]) -> str:
