@@ -37,7 +37,7 @@ from __future__ import annotations
 import heapq
 import operator
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import regex
 
@@ -107,18 +107,7 @@ class SentencePieceModel:
             self.byte_ids.append(i if i is not None else unknown_id)
         # Entries with "▁" after another character: where one occurs in the
         # text, the piece cut there is skipped (see the module docstring).
-        # (Found by one search over all the tokens joined by NULs, each hit
-        # widened to the NULs around it: 262,144 tokens in milliseconds.)
-        joined = "\0".join(tokens)
-        found = set()
-        for m in _CROSSING.finditer(joined):
-            start = joined.rfind("\0", 0, m.start()) + 1
-            end = joined.find("\0", m.end())
-            found.add(joined[start : end if end >= 0 else len(joined)])
-        crossing = sorted(found, key=len, reverse=True)
-        self._crossing = (
-            regex.compile("|".join(regex.escape(t) for t in crossing)) if crossing else None
-        )
+        self._crossing = crossing_entries(tokens)
         # What each id decodes to, as llama.cpp's token_to_piece: every entry
         # as a normal one first (in C: Gemma has 262,144), then the others.
         as_text = map(operator.methodcaller("replace", SPACE, " "), tokens)
@@ -142,16 +131,7 @@ class SentencePieceModel:
 
     def pieces(self, text: str) -> list[str]:
         """`text` (spaces already "▁") cut where no merge can cross (see the module docstring)."""
-        if self._crossing is None or self._crossing.search(text) is None:
-            return _CUT.split(text)
-        # Keep whole every occurrence of an entry that holds "▁" after another
-        # character: the cut points inside one are skipped. (An overlapped
-        # search reports the longest entry at each start, which covers the rest.)
-        inside: set[int] = set()
-        for m in self._crossing.finditer(text, overlapped=True):
-            inside.update(range(m.start() + 1, m.end()))
-        cuts = [m.start() for m in _CUT.finditer(text) if m.start() not in inside]
-        return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        return cut_before_spaces(text, self._crossing)
 
     def _encode_piece(self, piece: str) -> tuple[int, ...]:
         vocab, scores = self.vocab, self.scores
@@ -213,6 +193,39 @@ class SentencePieceModel:
                 if score is not None:
                     push(heap, (-score, i, merged, after))
         return [s for s in symbols if s is not None]
+
+
+def crossing_entries(entries: Iterable[str]) -> regex.Pattern | None:
+    """A regex for the entries that hold "▁" after another character (longest
+    first), or None when there are none: where one occurs in a text, no cut
+    may fall inside it (`cut_before_spaces`).
+
+    Found by one search over all the entries joined by NULs, each hit widened
+    to the NULs around it: 262,144 tokens in milliseconds."""
+    joined = "\0".join(entries)
+    found = set()
+    for m in _CROSSING.finditer(joined):
+        start = joined.rfind("\0", 0, m.start()) + 1
+        end = joined.find("\0", m.end())
+        found.add(joined[start : end if end >= 0 else len(joined)])
+    crossing = sorted(found, key=len, reverse=True)
+    return regex.compile("|".join(regex.escape(t) for t in crossing)) if crossing else None
+
+
+def cut_before_spaces(text: str, crossing: regex.Pattern | None) -> list[str]:
+    """`text` cut before each "▁" that follows another character, except inside
+    an occurrence of a `crossing` entry: pieces that merge exactly as the
+    whole text would (see the module docstring)."""
+    if crossing is None or crossing.search(text) is None:
+        return _CUT.split(text)
+    # Keep whole every occurrence of an entry that holds "▁" after another
+    # character: the cut points inside one are skipped. (An overlapped
+    # search reports the longest entry at each start, which covers the rest.)
+    inside: set[int] = set()
+    for m in crossing.finditer(text, overlapped=True):
+        inside.update(range(m.start() + 1, m.end()))
+    cuts = [m.start() for m in _CUT.finditer(text) if m.start() not in inside]
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
 
 
 def _token_bytes(token: str, kind: int) -> bytes:
