@@ -297,9 +297,8 @@ def test_the_gemma_3_270m_gguf(gemma_gguf, capsys):
 
 def test_the_tokenizer_is_the_one_the_engine_builds(smollm2_path, tmp_path):
     """Kind, vocabulary and chat template as read from the header, against the
-    tokenizer the engine builds from the same file; and a SentencePiece-style
-    tokenizer.json (Gemma's HF files) is said to be one pagedllm does not read, as
-    its loader refuses it."""
+    tokenizer the engine builds from the same file; and a WordPiece tokenizer.json
+    (BERT's kind) is said to be one pagedllm does not read, as its loader refuses it."""
     from pagedllm.model_source import llama3_tokenizer_json
     from pagedllm.tokenizer import Tokenizer
     from pagedllm.tokenizer.chat_template import LLAMA3_INSTRUCT_TEMPLATE
@@ -322,11 +321,11 @@ def test_the_tokenizer_is_the_one_the_engine_builds(smollm2_path, tmp_path):
     assert ref.chat_template == LLAMA3_INSTRUCT_TEMPLATE
     assert tok["chat_template"].startswith("Llama 3 Instruct's, built in")
 
-    spm = {
-        "model": {"type": "BPE", "byte_fallback": True, "vocab": {"a": 0}, "merges": []},
-        "decoder": {"type": "Sequence", "decoders": [{"type": "ByteFallback"}]},
+    wordpiece = {
+        "model": {"type": "WordPiece", "unk_token": "[UNK]", "vocab": {"[UNK]": 0, "a": 1}},
+        "decoder": {"type": "WordPiece", "prefix": "##"},
     }
-    (path / "tokenizer.json").write_text(json.dumps(spm))
+    (path / "tokenizer.json").write_text(json.dumps(wordpiece))
     tok = inspect_checkpoint(path)["tokenizer"]
     assert tok["kind"] is None and "which pagedllm does not read" in tok["summary"]
     with pytest.raises(ValueError, match="not supported"):

@@ -1,4 +1,4 @@
-"""Text <-> token ids: byte-level BPE, chat templates, streaming detokenization.
+"""Text <-> token ids: byte-level and SentencePiece-style BPE, chat templates, streaming.
 
 Public names: `Tokenizer` (load with `Tokenizer.from_model_path`, `from_file`
 or `from_gguf`) and `IncrementalDetokenizer`. This package imports no torch.

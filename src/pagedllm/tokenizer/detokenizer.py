@@ -11,7 +11,8 @@ unfinished character until the next token completes it.
 Invariants:
 - `"".join(pieces) + finish() == tokenizer.decode(ids, skip_special_tokens)`
   for the same ids, whatever the split (the incremental decoder replaces
-  invalid bytes exactly as a one-shot decode does);
+  invalid bytes exactly as a one-shot decode does); after `prompt_ids`,
+  the text is what `decode(prompt_ids + ids)` adds to `decode(prompt_ids)`;
 - a piece never ends in half a character;
 - each `add` costs O(bytes of that token): nothing is re-decoded.
 """
@@ -32,7 +33,10 @@ class IncrementalDetokenizer:
     prompt_ids: the prompt's ids, if the stream continues a prompt. Only its
         trailing unfinished character (a prompt given as ids can end mid-
         character) matters: the first generated token then completes it
-        instead of starting with U+FFFD. Its text is not emitted.
+        instead of starting with U+FFFD. Its text is not emitted. (And the
+        generated text does not begin the text: a SentencePiece-style
+        decoder's start rules, Llama 2's Strip of a leading space, are spent
+        on the prompt, so " Paris" after "The capital is" keeps its space.)
     skip_special_tokens: leave control tokens out of the text (the engine
         passes the request's `SamplingParams.skip_special_tokens`).
     """
@@ -48,17 +52,23 @@ class IncrementalDetokenizer:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._pieces: list[str] = []
         self.token_ids: list[int] = []
+        # Where the text is in the decoder's start-of-text rules (None: it has none).
+        self._start = tokenizer.start_of_text()
         if prompt_ids:
             # Prime the decoder with the prompt's bytes and drop their text;
             # only an unfinished trailing character stays buffered.
-            self._decoder.decode(tokenizer.decode_bytes(prompt_ids, skip_special_tokens))
+            data = tokenizer.decode_bytes(prompt_ids, skip_special_tokens, start=self._start)
+            self._decoder.decode(data)
 
     def add(self, token_id: int) -> str:
         """Feed one id; return the new text (possibly "" while a character is unfinished)."""
         self.token_ids.append(token_id)
         if self.skip_special_tokens and token_id in self.tokenizer.special_token_ids:
             return ""
-        piece = self._decoder.decode(self.tokenizer.token_bytes(token_id))
+        data = self.tokenizer.token_bytes(token_id)
+        if self._start is not None and not self._start.done:
+            data = self._start.feed(token_id, data)
+        piece = self._decoder.decode(data)
         if piece:
             self._pieces.append(piece)
         return piece

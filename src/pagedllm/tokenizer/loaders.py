@@ -4,8 +4,11 @@ Owns: parsing `tokenizer.json` (+ `tokenizer_config.json` and
 `generation_config.json` beside it) and GGUF `tokenizer.*` metadata, and the
 decisions that follow from them: which tokens are special, which ids
 `add_special_tokens` puts around the text, which ids end a turn. Does not own:
-encoding or decoding (`tokenizer.py`). Unknown or unsupported options are
-refused by name, never ignored. A malformed file (a JSON array, no `model`, a
+encoding or decoding (`tokenizer.py`). A tokenizer.json is byte-level BPE
+(Llama 3, Qwen) or SentencePiece-style BPE (Llama 2, Mistral, Gemma: "▁" for
+a space, byte fallback), told apart by its decoder (`_is_spm_style`); the
+latter's normalizer and decoder are parsed by `spm_bpe.py`. Unknown or
+unsupported options are refused by name, never ignored. A malformed file (a JSON array, no `model`, a
 merge of `[123, null]`, a regex that does not compile, an id that is no
 integer or past `MAX_TOKEN_ID`) is one ValueError naming the file and what is
 wrong, raised before anything is sized by a value read from it.
@@ -32,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import regex
 
@@ -44,6 +47,9 @@ from pagedllm.tokenizer.pretokenize import (
     from_hf_json,
     gguf_pretokenizer,
 )
+
+if TYPE_CHECKING:
+    from pagedllm.tokenizer.spm_bpe import SpmBpeOptions
 
 # Tokens that end a turn or a document in common chat models; each one present
 # as a special token joins `eos_token_ids` (llama.cpp keeps a similar list).
@@ -69,6 +75,9 @@ class AddedToken:
     special: a control token (BOS, <|eot_id|>, <|im_start|>): only matched where
         the caller allows it, dropped by `decode(skip_special_tokens=True)`.
     lstrip / rstrip: the match also swallows the whitespace on that side.
+    normalized: matched in the normalized text, as normalized itself (HF's
+        rule; read for SentencePiece-style files only, whose normalizer
+        changes text: a normalized "</s>" after Llama 2's Prepend is "▁</s>").
     """
 
     id: int
@@ -76,6 +85,7 @@ class AddedToken:
     special: bool
     lstrip: bool = False
     rstrip: bool = False
+    normalized: bool = False
 
 
 @dataclass
@@ -99,6 +109,10 @@ class TokenizerSpec:
     token_types: list[int] | None = None
     add_space_prefix: bool = False
     normalizer: str | None = None  # a Unicode normal form put on text first ("NFC": Qwen)
+    # A SentencePiece-style BPE from a tokenizer.json (byte fallback: Llama 2,
+    # Mistral, Gemma): merges by rank over characters, its normalizer and
+    # decoder (`spm_bpe.py`). None: byte-level BPE (or `scores`, GGUF).
+    spm_bpe: SpmBpeOptions | None = None
 
 
 # ------------------------------------------------------------------ tokenizer.json
@@ -130,15 +144,14 @@ def load_tokenizer_json(path: str | Path) -> TokenizerSpec:
     if not isinstance(model, dict):
         _bad(path, "model", model, "an object")
     if model.get("type", "BPE") != "BPE":
-        raise ValueError(f"{path}: model type {model.get('type')!r} is not supported (only BPE)")
+        raise ValueError(
+            f"{path}: model type {model.get('type')!r} is not supported; pagedllm reads BPE "
+            "tokenizers only (byte-level, as Llama 3's and Qwen's, or SentencePiece-style with "
+            "byte fallback, as Llama 2's, Mistral's and Gemma's)"
+        )
     _check_bpe_options(path, model)
-    normalizer = _normalizer(path, data.get("normalizer"))
     decoder = data.get("decoder")
-    if decoder is not None and not (
-        isinstance(decoder, dict) and decoder.get("type") == "ByteLevel"
-    ):
-        raise ValueError(f"{path}: decoder {_kind(decoder)} is not supported (ByteLevel)")
-
+    spm_style = _is_spm_style(path, model, decoder)
     vocab = _parse_vocab(path, model.get("vocab"))
     merges = _parse_merges(path, model.get("merges", []), vocab)
     added = _parse_added_tokens(path, data.get("added_tokens", []))
@@ -148,12 +161,15 @@ def load_tokenizer_json(path: str | Path) -> TokenizerSpec:
     spec = TokenizerSpec(
         vocab=vocab,
         merges=merges,
-        pretokenizer=_pretokenizer(path, data.get("pre_tokenizer")),
+        pretokenizer=_pretokenizer(path, data.get("pre_tokenizer"), spm_style),
         ignore_merges=ignore_merges,
         added_tokens=added,
         source=str(path),
-        normalizer=normalizer,
     )
+    if spm_style:
+        spec.spm_bpe = _spm_options(path, model, data.get("normalizer"), decoder, vocab)
+    else:
+        spec.normalizer = _normalizer(path, data.get("normalizer"))
     token_to_id = {**vocab, **{t.content: t.id for t in added}}
     id_space = 1 + max(token_to_id.values(), default=-1)
     template_ids = _template_processing(path, data.get("post_processor"), token_to_id, id_space)
@@ -216,11 +232,67 @@ def _normalizer(path: Path, spec: Any) -> str | None:
 def _check_bpe_options(path: Path, model: Mapping[str, Any]) -> None:
     if model.get("dropout") not in (None, 0, 0.0):
         raise ValueError(f"{path}: BPE dropout is not supported")
-    if model.get("byte_fallback"):
-        raise ValueError(f"{path}: byte_fallback BPE (SentencePiece style) is not supported")
+    for key in ("byte_fallback", "fuse_unk"):
+        if model.get(key) is not None and not isinstance(model[key], bool):
+            _bad(path, f"model.{key}", model[key], "true or false")
     for key in ("continuing_subword_prefix", "end_of_word_suffix"):
         if model.get(key):
             raise ValueError(f"{path}: BPE option {key}={model[key]!r} is not supported")
+
+
+def _is_spm_style(path: Path, model: Mapping[str, Any], decoder: Any) -> bool:
+    """Whether the file is SentencePiece-style BPE (merges over characters, "▁"
+    for a space: its decoder turns "▁" back, a Metaspace or a Sequence of
+    Replace, ByteFallback, Fuse and Strip) rather than byte-level BPE (a
+    ByteLevel decoder, or none). The decoder decides, as it is what makes the
+    vocabulary's strings text; byte_fallback needs the SentencePiece kind."""
+    from pagedllm.tokenizer.spm_bpe import DECODER_TYPES
+
+    if isinstance(decoder, dict) and decoder.get("type") in DECODER_TYPES:
+        return True
+    if model.get("byte_fallback"):
+        raise ValueError(
+            f"{path}: a byte_fallback BPE (SentencePiece style) needs a decoder that turns "
+            "'▁' back into spaces (Metaspace, or a Sequence of Replace, ByteFallback, Fuse "
+            f"and Strip); this file's decoder is {_kind(decoder)}"
+        )
+    if decoder is not None and not (
+        isinstance(decoder, dict) and decoder.get("type") == "ByteLevel"
+    ):
+        raise ValueError(
+            f"{path}: decoder {_kind(decoder)} is not supported (ByteLevel for byte-level "
+            "BPE; Metaspace, or a Sequence of Replace, ByteFallback, Fuse and Strip, for "
+            "SentencePiece-style BPE)"
+        )
+    return False
+
+
+def _spm_options(
+    path: Path, model: Mapping[str, Any], normalizer: Any, decoder: Any, vocab: Mapping[str, int]
+) -> SpmBpeOptions:
+    """The normalizer, decoder and unknown-token rules of a SentencePiece-style file."""
+    # Imported here: spm_bpe.py imports sentencepiece.py, which imports this module.
+    from pagedllm.tokenizer.spm_bpe import (
+        SpmBpeOptions,
+        decoder_from_hf_json,
+        normalizer_from_hf_json,
+    )
+
+    unk = model.get("unk_token")
+    if unk is not None and not isinstance(unk, str):
+        _bad(path, "model.unk_token", unk, "a string or null")
+    if unk is not None and unk not in vocab:
+        raise ValueError(f"{path}: model.unk_token {_shown(unk)} is not in model.vocab")
+    try:
+        return SpmBpeOptions(
+            normalizer=normalizer_from_hf_json(normalizer),
+            decoder=decoder_from_hf_json(decoder),
+            byte_fallback=bool(model.get("byte_fallback", False)),
+            unk_token=unk,
+            fuse_unk=bool(model.get("fuse_unk", False)),
+        )
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def _parse_vocab(path: Path, vocab: Any) -> dict[str, int]:
@@ -289,8 +361,9 @@ def _parse_added_tokens(path: Path, tokens: Any) -> list[AddedToken]:
         if not _is_int(token_id) or not 0 <= token_id < MAX_TOKEN_ID:
             _bad(path, f"the id of added token {content!r}", token_id, _ID_RULE)
         flags = {}
-        for key in ("special", "lstrip", "rstrip"):
-            flags[key] = t.get(key, False)
+        for key in ("special", "lstrip", "rstrip", "normalized"):
+            # A token without "normalized" is normalized unless special (HF's AddedToken.from).
+            flags[key] = t.get(key, not flags["special"] if key == "normalized" else False)
             if not isinstance(flags[key], bool):
                 _bad(path, f"{key} of added token {content!r}", flags[key], "true or false")
         added.append(AddedToken(id=token_id, content=content, **flags))
@@ -302,18 +375,30 @@ _PRE_OPTIONS: dict[str, dict[str, type]] = {
     "Split": {"behavior": str, "invert": bool},
     "Digits": {"individual_digits": bool},
     "ByteLevel": {"add_prefix_space": bool, "use_regex": bool, "trim_offsets": bool},
+    "Metaspace": {"replacement": str, "prepend_scheme": str, "split": bool},
 }
 
 
-def _pretokenizer(path: Path, spec: Any) -> PreTokenizer:
+def _pretokenizer(path: Path, spec: Any, spm_style: bool = False) -> PreTokenizer:
     """`pre_tokenizer`, its shape checked here and its rules built by `pretokenize.py`
-    (whose errors, and a regex that does not compile, get the file's name)."""
+    (whose errors, and a regex that does not compile, get the file's name).
+    ByteLevel goes with byte-level BPE only, Metaspace with SentencePiece-style only."""
     steps = [] if spec is None else [spec]
     while steps:
         step = steps.pop()
         if not isinstance(step, dict) or not isinstance(step.get("type"), str):
             _bad(path, "a pre_tokenizer", step, "an object with a type")
         kind = step["type"]
+        if kind == ("ByteLevel" if spm_style else "Metaspace"):
+            has, other = (
+                ("SentencePiece-style", "byte-level")
+                if spm_style
+                else ("byte-level", "SentencePiece-style")
+            )
+            raise ValueError(
+                f"{path}: pre-tokenizer {kind!r} goes with {other} BPE, but this file's "
+                f"decoder makes it {has}"
+            )
         if kind == "Sequence":
             subs = step.get("pretokenizers", [])
             if not isinstance(subs, list):

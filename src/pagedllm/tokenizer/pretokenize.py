@@ -1,11 +1,13 @@
 """Pre-tokenization: cutting text into the pieces that BPE merges within.
 
 Owns: the split rules of HF `tokenizers` (`Split`, `Digits`, the regex of
-`ByteLevel`) and the map from a GGUF `tokenizer.ggml.pre` name to the same
-rules. Does not own: added/special tokens (they are cut out before, in
-`tokenizer.py`), the byte-level mapping (`bytelevel.py`) or merges (`bpe.py`).
+`ByteLevel`, `Metaspace`) and the map from a GGUF `tokenizer.ggml.pre` name
+to the same rules. Does not own: added/special tokens (they are cut out
+before, in `tokenizer.py`), the byte-level mapping (`bytelevel.py`) or merges
+(`bpe.py`).
 
-Invariant: without a `Removed` rule, the pieces concatenate back to the input;
+Invariant: without a `Removed` rule or a `Metaspace` (which writes spaces as
+"▁" and may put one in front), the pieces concatenate back to the input;
 BPE never merges across two pieces, which is why "Hello world" can never
 become one token.
 
@@ -140,6 +142,45 @@ def _merge_spans(spans: list[tuple[int, int, bool]], glue_to_next: bool) -> list
     return merged
 
 
+PREPEND_SCHEMES = ("always", "first", "never")
+
+
+@dataclass(frozen=True)
+class Metaspace:
+    """HF's `Metaspace` pre-tokenizer (SentencePiece-style BPE: Llama 2 and
+    Mistral files written by newer transformers): every space becomes
+    `replacement` ("▁"), a piece gets one in front unless it starts with one
+    (`prepend_scheme` "always"; "first": only the piece at the very start of
+    the text, not one after an added token; "never"), and with `split` the
+    piece is cut before each "▁" ("▁Hi▁▁there" -> "▁Hi", "▁", "▁there").
+    """
+
+    replacement: str = "\u2581"
+    prepend_scheme: str = "always"
+    split: bool = True
+    _cut: SplitRule = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.replacement) != 1:
+            raise ValueError(f"Metaspace replacement {self.replacement!r} must be one character")
+        if self.prepend_scheme not in PREPEND_SCHEMES:
+            raise ValueError(
+                f"Metaspace prepend_scheme {self.prepend_scheme!r} is not one of {PREPEND_SCHEMES}"
+            )
+        rule = SplitRule(regex.escape(self.replacement), "merged_with_next")
+        object.__setattr__(self, "_cut", rule)
+
+    def split_at(self, piece: str, at_start: bool) -> list[str]:
+        """`piece`'s pieces; `at_start`: it begins the text (for "first")."""
+        rep = self.replacement
+        piece = piece.replace(" ", rep)
+        if not piece.startswith(rep) and (
+            self.prepend_scheme == "always" or self.prepend_scheme == "first" and at_start
+        ):
+            piece = rep + piece
+        return self._cut.split(piece) if self.split else [piece]
+
+
 class PrefixSpace:
     """ByteLevel's `add_prefix_space`: a piece that does not start with a space gets one.
 
@@ -153,14 +194,25 @@ class PrefixSpace:
 
 @dataclass(frozen=True)
 class PreTokenizer:
-    """A chain of split rules, applied in order to every piece of the previous rule."""
+    """A chain of split rules, applied in order to every piece of the previous rule.
 
-    rules: tuple[SplitRule | PrefixSpace, ...]
+    `at_start` (for a Metaspace rule whose prepend_scheme is "first"): the
+    text begins the input, so the first piece gets the "▁" in front. No rule
+    before a Metaspace removes text (`from_hf_json` refuses that), so the
+    first piece starts where the text does."""
 
-    def __call__(self, text: str) -> list[str]:
+    rules: tuple[SplitRule | PrefixSpace | Metaspace, ...]
+
+    def __call__(self, text: str, at_start: bool = True) -> list[str]:
         pieces = [text]
         for rule in self.rules:
-            if len(pieces) == 1:
+            if isinstance(rule, Metaspace):
+                pieces = [
+                    p
+                    for k, piece in enumerate(pieces)
+                    for p in rule.split_at(piece, at_start and k == 0)
+                ]
+            elif len(pieces) == 1:
                 pieces = rule.split(pieces[0])
             else:
                 pieces = [p for piece in pieces for p in rule.split(piece)]
@@ -174,17 +226,25 @@ def from_hf_json(spec: Mapping[str, Any] | None) -> PreTokenizer:
     """Build the pre-tokenizer of a `tokenizer.json` (`pre_tokenizer` object).
 
     Supported: `Split`, `Digits`, `ByteLevel` (which must come last: it maps
-    bytes, and a rule after it would see the byte alphabet), and `Sequence` of
-    those. Anything else is refused by name.
+    bytes, and a rule after it would see the byte alphabet), `Metaspace`
+    (SentencePiece-style files; the loader keeps it from byte-level ones), and
+    `Sequence` of those. Anything else is refused by name.
     """
     if spec is None:
         return PreTokenizer(rules=())
     steps = _flatten(spec)
-    rules: list[SplitRule | PrefixSpace] = []
+    rules: list[SplitRule | PrefixSpace | Metaspace] = []
     for i, step in enumerate(steps):
         kind = step.get("type")
         if kind == "Split":
             rules.append(_hf_split(step))
+        elif kind == "Metaspace":
+            if any(isinstance(r, SplitRule) and r.behavior == "removed" for r in rules):
+                # Then the first piece may not start the text; "first" would need offsets.
+                raise ValueError(
+                    "pre-tokenizer: a Metaspace after a Split that removes text is not supported"
+                )
+            rules.append(metaspace_from_hf_json(step))
         elif kind == "Digits":
             behavior = "isolated" if step.get("individual_digits", False) else "contiguous"
             rules.append(SplitRule(DIGIT_PATTERN, behavior))
@@ -197,7 +257,8 @@ def from_hf_json(spec: Mapping[str, Any] | None) -> PreTokenizer:
                 rules.append(SplitRule(GPT2_PATTERN))
         else:
             raise ValueError(
-                f"pre-tokenizer type {kind!r} is not supported (Split, Digits, ByteLevel)"
+                f"pre-tokenizer type {kind!r} is not supported (Split, Digits, ByteLevel, "
+                "Metaspace)"
             )
     return PreTokenizer(rules=tuple(rules))
 
@@ -206,6 +267,32 @@ def _flatten(spec: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     if spec.get("type") == "Sequence":
         return [s for sub in spec.get("pretokenizers", []) for s in _flatten(sub)]
     return [spec]
+
+
+def metaspace_from_hf_json(step: Mapping[str, Any]) -> Metaspace:
+    """HF's Metaspace as `tokenizers` reads it: prepend_scheme "always" and split
+    true by default; older files say add_prefix_space, whose false means "never"
+    (and contradicts any other scheme written beside it)."""
+    for key, want in (("replacement", str), ("prepend_scheme", str), ("split", bool)):
+        value = step.get(key)
+        if (value is not None or key == "replacement" and key in step) and not isinstance(
+            value, want
+        ):
+            kind = "a string" if want is str else "true or false"
+            raise ValueError(f"Metaspace {key} is {value!r}, expected {kind}")
+    scheme = step.get("prepend_scheme")
+    if step.get("add_prefix_space") is False:
+        if scheme not in (None, "never"):
+            raise ValueError(
+                f"Metaspace add_prefix_space false contradicts prepend_scheme {scheme!r}"
+            )
+        scheme = "never"
+    split = step.get("split")
+    return Metaspace(
+        replacement=step.get("replacement", "\u2581"),
+        prepend_scheme="always" if scheme is None else scheme,
+        split=True if split is None else split,
+    )
 
 
 def _hf_split(step: Mapping[str, Any]) -> SplitRule:

@@ -4,30 +4,39 @@ Owns: the encode pipeline (added tokens -> the model's ids for the text
 between them), decode, the special-token bookkeeping (BOS, the ids that end a
 turn, which ids are special) and the entry points that load a tokenizer from
 model files. Does not own: file parsing (`loaders.py`), the merge loops
-(`bpe.py`, `sentencepiece.py`), Jinja (`chat_template.py`) or streaming
-(`detokenizer.py`).
+(`bpe.py`, `sentencepiece.py`, `spm_bpe.py`), Jinja (`chat_template.py`) or
+streaming (`detokenizer.py`).
 
-Two models sit behind the one `Tokenizer` class:
+Three models sit behind the one `Tokenizer` class:
 - byte-level BPE (Llama 3, SmolLM2, Qwen; tokenizer.json or GGUF "gpt2"):
   an optional NFC normalizer, a pre-tokenizer regex, then merges by rank;
-- SentencePiece-style BPE (Gemma, Llama 2, Mistral; GGUF "llama"): spaces
-  as "▁", merges by score, byte fallback (`sentencepiece.py`).
+- SentencePiece-style BPE from a GGUF "llama" (Gemma, Llama 2, Mistral):
+  spaces as "▁", merges by score, byte fallback, as llama.cpp
+  (`sentencepiece.py`);
+- SentencePiece-style BPE from a tokenizer.json (the same models' HF
+  directories): spaces as "▁" by the file's normalizer or Metaspace
+  pre-tokenizer, merges by rank over characters, byte fallback, as HF
+  `tokenizers` (`spm_bpe.py`).
 They differ only in how a stretch of plain text becomes ids (`_encode_plain`)
-and in what bytes an id decodes to (`_id_to_bytes`, built once). Everything
-else is shared and identical: added and special tokens, BOS, the ids that end
-a turn, chat templates, `encode_chat`, decode, the streaming detokenizer
-(which reads `token_bytes`, so a byte-fallback id that is half a character
-waits for the rest, exactly as a byte-level one does), pickling to the
-server's tokenizer processes. So it is one class with a second model inside,
-not a second class: the engine, the server and `pagedllm tokenize` keep one
-type to hold and no branch on the kind.
+and in what bytes an id decodes to (`_id_to_bytes`, built once, plus the
+start-of-text rules of an HF SentencePiece decoder: `start_of_text`).
+Everything else is shared and identical: added and special tokens, BOS, the
+ids that end a turn, chat templates, `encode_chat`, decode, the streaming
+detokenizer (which reads `token_bytes`, so a byte-fallback id that is half a
+character waits for the rest, exactly as a byte-level one does), pickling to
+the server's tokenizer processes. So it is one class with the model inside,
+not a class per model: the engine, the server and `pagedllm tokenize` keep
+one type to hold and no branch on the kind.
 
 encode, step by step:
 1. cut out added tokens (leftmost, longest first); special ones only when
    `allow_special` (see below);
 2. byte-level BPE: normalize (NFC, if the model has it) and pre-tokenize each
    stretch of plain text between them (`pretokenize.py`), then BPE each
-   pre-token through a cache (`bpe.py`); SentencePiece: `sentencepiece.py`;
+   pre-token through a cache (`bpe.py`); SentencePiece from a GGUF:
+   `sentencepiece.py`; from a tokenizer.json: normalize the stretch, cut out
+   the added tokens marked "normalized" (matched as normalized, HF's rule),
+   then pre-tokenize and merge each piece (`spm_bpe.py`);
 3. with `add_special_tokens`, put the model's BOS (and EOS, if it wants one)
    around the result.
 
@@ -47,11 +56,16 @@ Non-special added tokens are always matched (they are vocabulary, not control).
 decode maps each id to its bytes (the byte-level string of a vocabulary
 token, or the text of an added token; for SentencePiece, "▁" as a space and
 "<0xXX>" as that byte), joins them and decodes UTF-8 with U+FFFD for invalid
-bytes, exactly as `tokenizers`' ByteLevel decoder (or its ByteFallback) does.
+bytes, exactly as `tokenizers`' ByteLevel decoder (or its ByteFallback) does
+(HF's ByteFallback writes one U+FFFD per byte of an invalid run, Python one
+per invalid sequence: the one difference, on invalid text only). An HF
+SentencePiece decoder's start rules then touch the first tokens: Llama 2's
+drops the text's leading space, Metaspace's the first token's "▁"s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
@@ -74,6 +88,7 @@ from pagedllm.tokenizer.loaders import (
     load_tokenizer_json,
 )
 from pagedllm.tokenizer.sentencepiece import SentencePieceModel
+from pagedllm.tokenizer.spm_bpe import CharBpeModel, StartOfText
 
 # Gemma's turn markers: a vocabulary with both, and no template of its own (Gemma's
 # GGUF files carry none), gets Gemma 3's template shipped in templates/.
@@ -88,7 +103,16 @@ class Tokenizer:
         self.source = spec.source
         self._spm: SentencePieceModel | None = None
         self._bpe: BytePairEncoder | None = None
-        if spec.scores is not None:
+        self._char_bpe: CharBpeModel | None = None
+        if spec.spm_bpe is not None:
+            self._char_bpe = CharBpeModel(
+                spec.vocab,
+                spec.merges,
+                spec.spm_bpe,
+                spec.pretokenizer,
+                ignore_merges=spec.ignore_merges,
+            )
+        elif spec.scores is not None:
             # One entry per id, in id order, as GGUF stores them (the loader checks it).
             tokens = list(spec.vocab)
             types = spec.token_types or [1] * len(tokens)
@@ -133,8 +157,29 @@ class Tokenizer:
         self.vocab_size: int = max(id_to_token) + 1 if id_to_token else 0
         self._id_to_token: list[str | None] = list(map(id_to_token.get, range(self.vocab_size)))
         # What decode emits for each id; holes in the id space emit nothing.
+        # A SentencePiece-style tokenizer.json's decoder may also have rules for
+        # the start of the text (`start_of_text`).
+        self._decoder = spec.spm_bpe.decoder if spec.spm_bpe is not None else None
+        # A SentencePiece-style tokenizer.json's "normalized" added tokens, as
+        # normalized: how they are matched, and the string HF's decoder gets
+        # for them ("</s>" after Llama 2's Prepend is "▁</s>", decoded " </s>").
+        normalized: list[AddedToken] = []
+        if self._char_bpe is not None:
+            norm = self._char_bpe.normalize
+            normalized = [
+                dataclasses.replace(t, content=norm(t.content))
+                for t in spec.added_tokens
+                if t.normalized
+            ]
+        self._decode_strings = self._id_to_token
         if self._spm is not None:
             self._id_to_bytes: list[bytes] = self._spm.id_to_bytes
+        elif self._decoder is not None:
+            if normalized:
+                self._decode_strings = list(self._id_to_token)
+                for t in normalized:
+                    self._decode_strings[t.id] = t.content
+            self._id_to_bytes = self._decoder.table(self._decode_strings)
         else:
             self._id_to_bytes = [b"" if s is None else token_bytes(s) for s in self._id_to_token]
         self._token_to_id: dict[str, int] = dict(zip(id_to_token.values(), id_to_token))
@@ -145,9 +190,17 @@ class Tokenizer:
             t.id for t in spec.added_tokens if t.special
         )
         self.added_tokens: tuple[AddedToken, ...] = tuple(spec.added_tokens)
-        # Two matchers: every added token, and the non-special ones only.
-        self._added_all = _AddedTokenMatcher(spec.added_tokens)
-        self._added_plain = _AddedTokenMatcher([t for t in spec.added_tokens if not t.special])
+        # Two matchers: every added token, and the non-special ones only. A
+        # SentencePiece-style tokenizer.json's "normalized" tokens are matched
+        # as HF does, in the normalized text, as normalized themselves (a second
+        # pair of matchers); byte-level files normalize nothing that matters
+        # (at most NFC), so there every token is matched in the raw text.
+        spm_json = self._char_bpe is not None
+        raw = [t for t in spec.added_tokens if not (t.normalized and spm_json)]
+        self._added_all = _AddedTokenMatcher(raw)
+        self._added_plain = _AddedTokenMatcher([t for t in raw if not t.special])
+        self._normalized_all = _AddedTokenMatcher(normalized)
+        self._normalized_plain = _AddedTokenMatcher([t for t in normalized if not t.special])
 
         self.bos_token_id: int | None = spec.bos_token_id
         self.eos_token_ids: tuple[int, ...] = self._end_of_turn_ids(spec)
@@ -220,17 +273,17 @@ class Tokenizer:
         ids: list[int] = list(self._prefix_ids) if add_special_tokens else []
         matcher = self._added_all if allow_special else self._added_plain
         if matcher.pattern is None:
-            ids += self._encode_plain(text)
+            ids += self._encode_plain(text, True, allow_special)
         else:
             pos = 0
             for m in matcher.pattern.finditer(text):
                 start, end = m.span()
                 if start > pos:
-                    ids += self._encode_plain(text[pos:start])
+                    ids += self._encode_plain(text[pos:start], pos == 0, allow_special)
                 ids.append(matcher.token_id(m))
                 pos = end
             if pos < len(text):
-                ids += self._encode_plain(text[pos:])
+                ids += self._encode_plain(text[pos:], pos == 0, allow_special)
         if add_special_tokens:
             ids += self._suffix_ids
         return ids
@@ -240,16 +293,42 @@ class Tokenizer:
     ) -> list[list[int]]:
         return [self.encode(t, add_special_tokens) for t in texts]
 
-    def _encode_plain(self, text: str) -> list[int]:
-        """Ids of text that holds no added token: SentencePiece, or normalize,
-        pre-tokenize and BPE each piece."""
+    def _encode_plain(
+        self, text: str, at_start: bool = True, allow_special: bool = True
+    ) -> list[int]:
+        """Ids of text that holds no added token (no raw-matched one): SentencePiece,
+        or normalize, pre-tokenize and BPE each piece. `at_start`: the text
+        begins the input (a Metaspace "first" puts its "▁" there only)."""
         if not text:
             return []
         if self._spm is not None:
             return self._spm.encode(text)
+        if self._char_bpe is not None:
+            return self._encode_char_bpe(text, at_start, allow_special)
         if self._normalizer is not None:
             text = unicodedata.normalize(self._normalizer, text)
         return self._bpe.encode_pieces(self._pretokenize(text))
+
+    def _encode_char_bpe(self, text: str, at_start: bool, allow_special: bool) -> list[int]:
+        """A SentencePiece-style tokenizer.json, as HF runs it on a stretch between
+        raw-matched added tokens: normalize the stretch, cut out the normalized
+        added tokens, then pre-tokenize and BPE each piece left."""
+        model = self._char_bpe
+        text = model.normalize(text)
+        matcher = self._normalized_all if allow_special else self._normalized_plain
+        if matcher.pattern is None:
+            return model.encode(text, at_start) if text else []
+        ids: list[int] = []
+        pos = 0
+        for m in matcher.pattern.finditer(text):
+            start, end = m.span()
+            if start > pos:
+                ids += model.encode(text[pos:start], at_start and pos == 0)
+            ids.append(matcher.token_id(m))
+            pos = end
+        if pos < len(text):
+            ids += model.encode(text[pos:], at_start and pos == 0)
+        return ids
 
     # ------------------------------------------------------------------- decode
 
@@ -257,14 +336,42 @@ class Tokenizer:
         """The text of `ids`; invalid UTF-8 (a character cut in half) becomes U+FFFD."""
         return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
 
-    def decode_bytes(self, ids: Sequence[int], skip_special_tokens: bool = False) -> bytes:
-        """The raw bytes of `ids` (what `decode` decodes)."""
+    def decode_bytes(
+        self,
+        ids: Sequence[int],
+        skip_special_tokens: bool = False,
+        *,
+        start: StartOfText | None = None,
+    ) -> bytes:
+        """The raw bytes of `ids` (what `decode` decodes).
+
+        start: where a stream is in the decoder's start-of-text rules (from
+            `start_of_text`, advanced here); by default the ids begin the text."""
         self._check_ids(ids)
         table = self._id_to_bytes
         if skip_special_tokens:
             special = self.special_token_ids
-            return b"".join([table[i] for i in ids if i not in special])
-        return b"".join([table[i] for i in ids])
+            ids = [i for i in ids if i not in special]
+        if start is None:
+            start = self.start_of_text()
+        if start is None or start.done:
+            return b"".join([table[i] for i in ids])
+        # The rules touch the first few tokens only (the first one, then any
+        # that are empty or spaces while a Strip still has spaces to drop).
+        head = []
+        k = 0
+        while k < len(ids) and not start.done:
+            head.append(start.feed(ids[k], table[ids[k]]))
+            k += 1
+        return b"".join(head) + b"".join([table[i] for i in ids[k:]])
+
+    def start_of_text(self) -> StartOfText | None:
+        """A fresh walk through the decoder's start-of-text rules (Metaspace's
+        first token, Llama 2's Strip of a leading space), for a stream that
+        begins the text; None when the decoder has none (byte-level, GGUF)."""
+        if self._decoder is None or not self._decoder.has_start_rule:
+            return None
+        return StartOfText(self._decoder, self._decode_strings)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one id stands for (b"" for an id the vocabulary does not use)."""
@@ -390,10 +497,27 @@ class Tokenizer:
 
     def _holds_special(self, text: str) -> bool:
         """Whether `encode(text)` (special tokens allowed) would hold a special token."""
-        matcher, special = self._added_all, self.special_token_ids
-        if matcher.pattern is None or not special:
+        special = self.special_token_ids
+        if not special:
             return False
-        return any(matcher.token_id(m) in special for m in matcher.pattern.finditer(text))
+        raw, normalized = self._added_all, self._normalized_all
+        stretches = [text]
+        if raw.pattern is not None:
+            matches = list(raw.pattern.finditer(text))
+            if any(raw.token_id(m) in special for m in matches):
+                return True
+            ends = [0, *(e for m in matches for e in m.span()), len(text)]
+            stretches = [text[a:b] for a, b in zip(ends[::2], ends[1::2])]
+        if normalized.pattern is None:
+            return False
+        # As encode does: each stretch between raw-matched tokens normalized alone.
+        norm = self._char_bpe.normalize
+        return any(
+            normalized.token_id(m) in special
+            for stretch in stretches
+            if stretch
+            for m in normalized.pattern.finditer(norm(stretch))
+        )
 
     def __repr__(self) -> str:
         return (
