@@ -296,3 +296,21 @@ def test_triton_ops_give_one_line_errors_and_zero_rows():
     # An all-zero row of x: exactly the bias, no NaN from a zero scale.
     bias = torch.randn(6, generator=gen)
     assert torch.equal(tf.fp8_linear(torch.zeros(2, 32), w, s, bias=bias), bias.expand(2, 6))
+
+
+@needs_interpreter
+def test_scaled_mm_path_where_torch_runs_it_on_the_cpu():
+    """`triton_fp8.scaled_mm` (the T > 16 path on the GPU: x quantized per row by the
+    kernel, then torch._scaled_mm with row-wise scales, the bias in its epilogue).
+    Recent torch runs _scaled_mm on the CPU too; where it does not, this skips
+    (tests/test_gpu_fp8_ops.py covers it on CUDA)."""
+    gen = torch.Generator().manual_seed(19)
+    w, s = ref.quantize_fp8(torch.randn(160, 320, generator=gen))
+    x = torch.randn(20, 320, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(160, generator=gen).to(torch.bfloat16)
+    try:
+        got = tf.scaled_mm(x, w, s, bias=bias)
+    except (RuntimeError, NotImplementedError, ValueError) as e:
+        pytest.skip(f"torch._scaled_mm does not run on this CPU build: {str(e)[:100]}")
+    assert got.dtype == torch.bfloat16 and got.shape == (20, 160)
+    torch.testing.assert_close(got, quantized_oracle(x, w, s, None, None, bias), rtol=2**-7, atol=0)

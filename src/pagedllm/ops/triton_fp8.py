@@ -82,6 +82,9 @@ GEMV_MAX_ROWS = 16
 # Whether T > GEMV_MAX_ROWS with per-channel scales goes to torch._scaled_mm (where
 # it can) rather than the Triton GEMM: scripts/bench_fp8.py times both.
 USE_SCALED_MM = True
+# Whether T > GEMV_MAX_ROWS with 128 x 128 block scales goes to torch's block-wise
+# scaled_mm (`scaled_mm_blockwise`) rather than the Triton GEMM; off until measured.
+USE_SCALED_MM_BLOCKWISE = False
 
 # The GEMV: (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) per weight shape (N, K)
 # (N counts W's rows: with act_and_mul, gate and up together). BLOCK_N is rows of W
@@ -299,18 +302,26 @@ def _gemv_kernel(
             tl.store(count_ptr + tile, 0)
 
 
-# The split-K GEMV's workspace, per device: partial sums (grown as needed) and one
-# count per tile (zero between launches: the last program of a tile resets its own).
-# Allocate outside CUDA-graph capture (a first call warms it), and never share it
-# between streams that run at once.
+# The split-K GEMV's workspace, per device: partial sums and one count per tile (zero
+# between launches: the last program of a tile resets its own). 4 MB of sums cover
+# every split the 8B and 70B shapes get (8B gate/up: 224 tiles x 2 splits x 2 x 64
+# x 16 floats); a larger need grows it. A buffer it outgrows is kept alive, never
+# freed: a CUDA graph captured with it still reads and writes that address. Kernels
+# on one stream take turns with it (with PDL too: every access follows `pdl_wait`);
+# two streams running split GEMVs at once would need one each.
 _WORKSPACE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_OUTGROWN: list[torch.Tensor] = []
 
 
 def _workspace(device: torch.device, parts: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     part, count = _WORKSPACE.get(device, (None, None))
     if part is None or part.numel() < parts:
+        if part is not None:
+            _OUTGROWN.append(part)
         part = torch.empty(max(parts, 1 << 20), dtype=torch.float32, device=device)
     if count is None or count.numel() < tiles:
+        if count is not None:
+            _OUTGROWN.append(count)
         count = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32, device=device)
     _WORKSPACE[device] = (part, count)
     return part, count
@@ -630,6 +641,33 @@ def scaled_mm(
     )
 
 
+def scaled_mm_blockwise(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor):
+    """`fp8_linear` with 128 x 128 block scales by torch's block-wise `scaled_mm`
+    (x per row and group of 128: recipe BlockWise1x128, W BlockWise128x128; cuBLASLt
+    12.9+ on sm_90, K a multiple of 128; bf16 out). Not dispatched to (the Triton
+    GEMM is, unless USE_SCALED_MM_BLOCKWISE): scripts/bench_fp8.py times the two."""
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    m, k = x.shape
+    xq, xs = quantize_activations(x, 128)
+    # cuBLASLt reads both scales column-major: x's (M, K/128) with stride (1, M),
+    # W's as (L4, N/128) with stride (1, L4), K/128 padded to a multiple of 4.
+    xs = xs.t().contiguous().t()
+    nb, kb = weight_scale.shape
+    l4 = -(-kb // 4) * 4
+    ws = weight_scale.new_zeros(nb, l4)
+    ws[:, :kb] = weight_scale
+    return scaled_mm(
+        xq,
+        weight.t(),
+        xs,
+        ScalingType.BlockWise1x128,
+        ws.t(),
+        ScalingType.BlockWise128x128,
+        output_dtype=x.dtype,
+    )
+
+
 # --------------------------------------------------------------------------
 # The ops
 # --------------------------------------------------------------------------
@@ -698,6 +736,14 @@ def fp8_linear(
         return gemv(x, weight, scale, block_size=block_size, bias=bias)
     if block_size is None and _scaled_mm_ok(x, weight, bias):
         return scaled_mm(x, weight, scale, bias=bias)
+    if (
+        USE_SCALED_MM_BLOCKWISE
+        and block_size == (128, 128)
+        and bias is None
+        and x.shape[1] % 128 == 0
+        and _scaled_mm_ok(x, weight, None)
+    ):
+        return scaled_mm_blockwise(x, weight, scale)
     return gemm(x, weight, scale, block_size=block_size, bias=bias)
 
 
