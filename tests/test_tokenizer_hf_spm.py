@@ -232,6 +232,8 @@ STYLES = {
         decoder=GEMMA_DECODER,
         specials=GEMMA_SPECIALS,
         bos="<bos>",
+        # Gemma's non-special added tokens (the GGUF's user-defined ones): matched raw.
+        extra_added=tuple(added_token(0, t, special=False) for t in ("\n", "\n\n", "\t", "<b>")),
     ),
 }
 
@@ -670,3 +672,35 @@ def test_fuzz_a_damaged_file_is_one_clear_error(tmp_path_factory, edits) -> None
         assert isinstance(tok.decode(ids), str)
         detok = IncrementalDetokenizer(tok)
         assert detok.add_many(ids) + detok.finish() == tok.decode(ids)
+
+
+# -------------------------------------------------------------------- engine
+
+
+@pytest.mark.slow
+def test_the_engine_runs_a_directory_with_such_a_tokenizer(tmp_path: Path) -> None:
+    """An HF directory whose tokenizer.json is SentencePiece-style (as Mistral's
+    and Gemma's) now runs on text: the prompt is HF's ids with BOS, and the
+    generated text is the generated ids' text after the prompt's, as
+    `decode(prompt + output)` minus `decode(prompt)`. (Slow: a model is built
+    with transformers and an engine started, ~4 s.)"""
+    from pagedllm import LLM
+    from tiny_models import greedy, make_tiny_llama_dir
+
+    data = spm_json(normalizer=LEGACY_NORMALIZER)
+    vocab = 1 + max(t["id"] for t in data["added_tokens"])  # every id the model writes is text
+    path, _ = make_tiny_llama_dir(tmp_path / "m", seed=3, vocab_size=vocab)
+    write(path, data)
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"add_bos_token": True, "bos_token": "<s>", "eos_token": "</s>"}),
+        encoding="utf-8",
+    )
+    hf = tokenizers.Tokenizer.from_str(json.dumps(data))
+    llm = LLM(model=str(path), kv_cache_mib=4, device="cpu")
+    prompt = "Größere Straßen 😀 and"
+    (out,) = llm.generate([prompt], greedy(12), use_tqdm=False)
+    tok = llm.tokenizer
+    assert out.prompt_token_ids == hf.encode(prompt).ids
+    whole = tok.decode(out.prompt_token_ids + out.token_ids)
+    assert out.text == whole[len(tok.decode(out.prompt_token_ids)) :]
+    assert len(out.token_ids) == 12
