@@ -232,8 +232,8 @@ def sweep_gemm(shapes) -> dict:
     best = {}
     print("\nTriton GEMM sweep at T = 1,024: per channel, then 128 x 128 blocks")
     grid = [
-        (128, 128, 8, 3, 8), (128, 128, 8, 4, 8), (128, 256, 8, 3, 8), (64, 128, 4, 4, 8),
-        (128, 64, 4, 4, 8), (64, 256, 8, 3, 8),
+        (128, 128, 8, 3, 8), (128, 128, 8, 4, 8), (128, 256, 8, 3, 8), (64, 128, 4, 3, 8),
+        (64, 128, 4, 4, 8), (128, 64, 4, 4, 8), (64, 256, 8, 3, 8),
     ]  # fmt: skip
     for name, n, k, _act in shapes:
         x = torch.randn(1024, k, device="cuda", dtype=torch.bfloat16)

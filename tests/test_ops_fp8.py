@@ -314,3 +314,99 @@ def test_scaled_mm_path_where_torch_runs_it_on_the_cpu():
         pytest.skip(f"torch._scaled_mm does not run on this CPU build: {str(e)[:100]}")
     assert got.dtype == torch.bfloat16 and got.shape == (20, 160)
     torch.testing.assert_close(got, quantized_oracle(x, w, s, None, None, bias), rtol=2**-7, atol=0)
+
+
+# --------------------------------------------------------------------------
+# The configs on the GPU's compiler, without a GPU
+# --------------------------------------------------------------------------
+
+_COMPILE_FOR_SM90 = r"""
+import json, os, re, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pagedllm.ops import triton_fp8 as tf
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+# What a launch specializes: pointers and strides divisible by 16, and K, K_SPLIT
+# (multiples of 16 at every model shape; K_SPLIT always, a multiple of BLOCK_K).
+ALIGNED_INTS = {"K", "K_SPLIT"}
+
+
+def build(name, fn, types, const, warps, stages):
+    sig, attrs = {}, {}
+    for i, arg in enumerate(fn.arg_names):
+        sig[arg] = "constexpr" if arg in const else types.get(arg, "i32")
+        if arg not in const and (
+            sig[arg].startswith("*") or arg.startswith("stride") or arg in ALIGNED_INTS
+        ):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "num_stages": stages})
+    ptx = os.path.join(sys.argv[1], name + ".ptx")
+    open(ptx, "w").write(k.asm["ptx"])
+    log = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", ptx, "-o", ptx + ".o"],
+                         capture_output=True, text=True, check=True).stderr
+    spills = sum(int(w.split()[0]) for w in log.split(",") if "spill stores" in w)
+    fp8_wgmma = bool(re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", k.asm["ptx"]))
+    return {"shared": k.metadata.shared, "spill_bytes": spills, "fp8_wgmma": fp8_wgmma}
+
+
+results = {}
+block_n, block_k, warps, stages, _ = tf.GEMV_DEFAULT_CONFIG
+for glu in (False, True):
+    for blocks in (False, True):
+        for split in (1, 4):
+            types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr="*bf16",
+                         b_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32")
+            const = dict(BLOCK_T=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+                         BLOCK_SCALES=blocks, BS0=128, BS1=128, GLU=glu, ACT="silu",
+                         HAS_BIAS=not glu, PDL=True, FP8_MAX=448.0)
+            name = f"gemv glu={glu} blocks={blocks} split={split}"
+            results[name] = build(name.replace(" ", "_"), tf._gemv_kernel, types, const,
+                                  warps, stages)
+for blocks, (bm, bn, warps, stages, group_m) in ((False, tf.GEMM_CONFIG),
+                                                 (True, tf.GEMM_BLOCK_CONFIG)):
+    types = dict(xq_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32",
+                 out_ptr="*bf16", b_ptr="*bf16")
+    const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=group_m, BLOCK_SCALES=blocks,
+                 BS0=128, HAS_BIAS=True)
+    name = f"gemm blocks={blocks}"
+    results[name] = build(name.replace(" ", "_"), tf._gemm_kernel, types, const, warps, stages)
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_fp8_kernels_compile_for_the_h200_on_fp8_tensor_cores(tmp_path):
+    """The GEMV (default config: plain and act_and_mul, per channel and 128 x 128
+    blocks, with and without split K) and the GEMM (both configs), compiled for
+    sm_90a by Triton's compiler and ptxas (no GPU needed): within an H200's 227 KB
+    of shared memory, no register spilled, and multiplying on the fp8 tensor cores
+    (wgmma e4m3 x e4m3; a BLOCK_N below 64 would make Triton convert W to fp16 on
+    the CUDA cores instead). A separate process: this one's Triton may be
+    interpreted."""
+    import json
+    import subprocess
+    import sys
+
+    triton = pytest.importorskip("triton")
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("this Triton has no bundled ptxas")
+    script = tmp_path / "compile_fp8_for_sm90.py"
+    script.write_text(_COMPILE_FOR_SM90)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(results) == 10
+    for name, got in results.items():
+        assert got["shared"] <= 227 * 1024, (name, got)
+        assert got["spill_bytes"] == 0, (name, got)
+        assert got["fp8_wgmma"], (name, got)

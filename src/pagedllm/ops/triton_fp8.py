@@ -100,11 +100,13 @@ GEMV_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
 
 # The Triton GEMM: (BLOCK_M, BLOCK_N, num_warps, num_stages, GROUP_M); BLOCK_K is
 # 128 (the block scales' bs1, or a chunk of K for per-channel scales).
-# Compiled for sm_90a (wgmma m64n128k32 fp8, two warpgroups): per channel 128 KB of
-# shared memory, 170 registers; with block scales, at 3 stages, 96 KB and 255
-# registers (the chunk's product and the accumulator both live), no spills.
+# Compiled for sm_90a (wgmma m64n128k32 fp8): per channel, 128 x 128 on two
+# warpgroups, 128 KB of shared memory, 170 registers. With block scales a chunk's
+# product and the accumulator are both live: 128 x 128 on 8 warps took 255
+# registers and spilled, so 64 x 128 on one warpgroup (as vLLM's block-FP8 Triton
+# GEMM defaults to), 3 stages: 73 KB, 238 registers, no spills.
 GEMM_CONFIG = (128, 128, 8, 4, 8)
-GEMM_BLOCK_CONFIG = (128, 128, 8, 3, 8)
+GEMM_BLOCK_CONFIG = (64, 128, 4, 3, 8)
 
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int, int, int]:
