@@ -39,6 +39,7 @@ import re
 import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import regex
@@ -333,9 +334,10 @@ class CharBpeModel:
         self._byte_symbols: list[str | None] = [
             t if (t := f"<0x{b:02X}>") in self.vocab else None for b in range(256)
         ]
+        # (Both searches in C: Gemma has 514,906 merges.)
         atoms = {t for t in self._byte_symbols if t is not None} | {self.unk_token}
-        self._cut = SPACE in self.vocab and not any(a in atoms or b in atoms for a, b in merges)
-        self._crossing: regex.Pattern | None = crossing_entries(a + b for a, b in merges)
+        self._cut = SPACE in self.vocab and atoms.isdisjoint(chain.from_iterable(merges))
+        self._crossing: regex.Pattern | None = crossing_entries(map("".join, merges))
         # Whether some character may have no way in at all (then it is dropped first).
         self._drops = self.unk_token is None and not (
             self.byte_fallback and None not in self._byte_symbols
