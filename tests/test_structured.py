@@ -348,6 +348,9 @@ def test_constraint_pickles_and_takes_pydantic_models():
     c = StructuredOutput(json=Weather)
     assert c.value["required"] == ["city", "days"]
     assert pickle.loads(pickle.dumps(c)) == c
+    for other in (c, StructuredOutput(choice=["a", "b"]), StructuredOutput(json_object=True)):
+        kwargs = json.loads(json.dumps(other.as_kwargs()))  # plain JSON values
+        assert StructuredOutput(**kwargs) == other
     assert "json=" in repr(c)
 
 

@@ -110,9 +110,14 @@ class StructuredOutput:
         )
         return f"StructuredOutput({self.kind}={value!r}{opts})"
 
+    def as_kwargs(self) -> dict[str, Any]:
+        """Plain JSON-able values that rebuild it: `StructuredOutput(**c.as_kwargs()) == c`
+        (for messages between processes, msgspec's included)."""
+        value = list(self.value) if self.kind == "choice" else self.value
+        return {self.kind: value, "whitespace": self.whitespace, "strict": self.strict}
+
     def __reduce__(self):  # pickled to the engine-core and tokenizer processes
-        kwargs = {self.kind: self.value, "whitespace": self.whitespace, "strict": self.strict}
-        return (_rebuild, (kwargs,))
+        return (_rebuild, (self.as_kwargs(),))
 
 
 def _rebuild(kwargs: dict) -> StructuredOutput:
