@@ -34,7 +34,12 @@ from pagedllm.config import ModelConfig
 from pagedllm.engine_config import EngineConfig
 from pagedllm.model import build_model, load_model
 from pagedllm.model.linear import Fp8Linear, Linear
-from pagedllm.model.loader import dummy_model, dummy_weight_bytes, weight_bytes
+from pagedllm.model.loader import (
+    dummy_model,
+    dummy_weight_bytes,
+    holds_fp8_weights,
+    weight_bytes,
+)
 from pagedllm.model.parallel import TensorParallel, shard_weight
 from pagedllm.quantization import parse_quantization_config
 from pagedllm.weights import load_safetensors_dir
@@ -177,10 +182,10 @@ def test_quantizing_as_it_loads(tmp_path):
     qkv = fp8.layers[1].qkv_proj
     assert torch.equal(qkv.qweight.view(torch.uint8), q.view(torch.uint8))
     torch.testing.assert_close(qkv.scale, scale[:, 0], rtol=0, atol=0)
-    assert fp8.quantization == "fp8"
+    assert fp8.quantization == "fp8" and holds_fp8_weights(fp8)
 
     cpu = load_model(path, "cpu", "float32", quantization="fp8")
-    assert isinstance(cpu.layers[1].qkv_proj, Linear)
+    assert isinstance(cpu.layers[1].qkv_proj, Linear) and not holds_fp8_weights(cpu)
     torch.testing.assert_close(cpu.layers[1].qkv_proj.weight, deq, rtol=0, atol=0)
     torch.testing.assert_close(cpu.lm_head.weight, sd["lm_head.weight"], rtol=0, atol=0)
     torch.testing.assert_close(cpu.embed_tokens, sd["model.embed_tokens.weight"], rtol=0, atol=0)
@@ -204,6 +209,22 @@ def test_llm_quantization_setting(tmp_path):
     with pytest.raises(ValueError, match="loaded without FP8 weights") as e:
         LLM(plain, quantization="fp8", kv_cache_mib=4)
     assert "\n" not in str(e.value)
+
+
+def test_stats_show_the_weight_bytes(tmp_path, capsys):
+    from pagedllm.cli import print_stats
+
+    path, *_ = write_ct(tmp_path, "channel")
+    llm = LLM(str(path), device="cpu", dtype="float32", kv_cache_mib=4)
+    outs = llm.generate([PROMPT], greedy(2))
+    stats = llm.stats()
+    # the CPU holds the FP8 projections dequantized, in float32
+    assert stats["weight_bytes"] == weight_bytes(llm.engine.model) > 0
+    assert stats["weights_fp8"] is False
+    print_stats(stats, outs)
+    assert "model weights                   0.5 MiB\n" in capsys.readouterr().out
+    print_stats({**stats, "weight_bytes": 72_700_000_000, "weights_fp8": True}, outs)
+    assert "model weights                   67.7 GiB (FP8 projections)\n" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------ tensor parallelism
@@ -239,6 +260,34 @@ def test_each_rank_holds_its_slice_of_the_fp8_weights(tmp_path, kind, sharded, r
     o, down = deq[p + "self_attn.o_proj.weight"], deq[p + "mlp.down_proj.weight"]
     torch.testing.assert_close(layer.o_proj.weight, _rank_slice(o, rank, 1), **exact)
     torch.testing.assert_close(layer.down_proj.weight, _rank_slice(down, rank, 1), **exact)
+
+
+def test_tensor_parallel_workers_load_with_the_setting(tmp_path, monkeypatch):
+    """Each worker process loads its rank with the engine's quantization setting."""
+    from pagedllm.engine import llm_engine
+    from pagedllm.runner import tp_workers
+
+    hf, _ = make_tiny_llama(0, num_key_value_heads=2)
+    hf.save_pretrained(tmp_path / "dense", safe_serialization=True)
+    seen = []
+    monkeypatch.setattr(tp_workers, "TPWorkers", lambda size, setup: seen.append(setup))
+    config = EngineConfig(
+        model=str(tmp_path / "dense"), tensor_parallel_size=2, quantization="fp8", device="cpu"
+    )
+    llm_engine._start_workers(config, None, 64)
+    assert seen[0].quantization == "fp8"
+
+
+@pytest.mark.slow
+def test_fp8_checkpoint_over_two_cpu_ranks_generates_as_transformers_does(tmp_path):
+    """Two processes, each dequantizing its slice (scales cut with it): greedy as
+    transformers on the dequantized weights."""
+    path, _, deq, hf = write_ct(tmp_path, "channel", num_key_value_heads=2)
+    reference = dequantized_reference(hf, deq, tmp_path / "reference")
+    settings = dict(device="cpu", dtype="float32", kv_cache_mib=4, tensor_parallel_size=2)
+    with LLM(str(path), **settings) as two:
+        out = two.generate([PROMPT], greedy(8))[0]
+    assert out.token_ids == hf_greedy(reference, PROMPT, 8)
 
 
 def test_rank_slices_that_cut_scale_blocks(tmp_path):
@@ -430,6 +479,10 @@ def test_dummy_fp8_weights_are_made_in_fp8():
     per_layer = sum(r * c + 4 * r for r, c in matrices) + 2 * e * 4
     assert weight_bytes(model) == L * per_layer + (2 * v * e + e) * 4
     assert dummy_weight_bytes(config, torch.float32, "cpu", fp8=True) > weight_bytes(model)
+    # a decode step reads all of that but the embedding table, of which one row
+    from pagedllm.bench.machine import weight_bytes_per_decode_step
+
+    assert weight_bytes_per_decode_step(model) == weight_bytes(model) - (v - 1) * e * 4
 
 
 def test_llama_70b_fits_one_h200_in_fp8(monkeypatch):

@@ -445,6 +445,16 @@ def _report(prompts: list[tuple[str, int]], outputs, printer: _Printer) -> bool:
     return any(_failed(o) for o in outputs)
 
 
+def _weights_row(s: dict) -> list[tuple[str, str]]:
+    """The model's weights on the device (rank 0's slice under tensor parallelism)."""
+    if s.get("weight_bytes") is None:
+        return []
+    from pagedllm.memory import size_text
+
+    fp8 = " (FP8 projections)" if s.get("weights_fp8") else ""
+    return [("model weights", f"{size_text(s['weight_bytes'])}{fp8}")]
+
+
 def print_stats(
     s: dict, outputs, threads: int | None = None, *, prefix_caching: bool = True
 ) -> None:
@@ -470,6 +480,7 @@ def print_stats(
         ("admission waits", s["admission_waits"]),
         ("preemptions", s["preemptions"]),
         ("prefix cache", reused),
+        *_weights_row(s),
         (
             "KV pages",
             f"{s['pages_total']} of {plural(s['block_size'], 'token')}, "

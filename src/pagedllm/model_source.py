@@ -101,11 +101,12 @@ def load_model(
     device: str | None,
     dtype: str | None,
     max_model_len: int | None = None,
+    quantization: str = "none",
 ) -> LlamaModel:
     """The model on the device: read from disk, or random weights of the config's shape.
 
     `max_model_len` bounds the RoPE table of a model read from disk (see
-    `model.load_model`)."""
+    `model.load_model`); `quantization`: EngineConfig's ("fp8": FP8 projections)."""
     from pagedllm.model import dummy_model
     from pagedllm.model import load_model as load_from_path
     from pagedllm.resolve import resolve_model_path
@@ -115,13 +116,18 @@ def load_model(
 
         config_dir = _config_dir(spec)
         config = ModelConfig.from_hf_dir(config_dir)
-        return dummy_model(config, device, dtype, source=str(config_dir / "config.json"))
+        source = str(config_dir / "config.json")
+        return dummy_model(config, device, dtype, source=source, quantization=quantization)
     if spec.preset:
         raise ValueError(
             f"preset {spec.preset!r} ships a config, not weights: add --load-format dummy"
         )
     return load_from_path(
-        resolve_model_path(spec.model), device, dtype, max_model_len=max_model_len
+        resolve_model_path(spec.model),
+        device,
+        dtype,
+        max_model_len=max_model_len,
+        quantization=quantization,
     )
 
 

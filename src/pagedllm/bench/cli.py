@@ -365,7 +365,9 @@ def _run(args: argparse.Namespace, config: EngineConfig, argv: list[str]) -> int
         llm = ours.build_llm(source, settings, _log)
         model = llm.engine.model
     else:
-        model = source = load_model(spec, config.device, config.dtype)
+        model = source = load_model(
+            spec, config.device, config.dtype, quantization=config.quantization
+        )
         # The model is loaded: the engine gets it, not its path, device or dtype.
         settings = engine_kwargs(config, without=("model", "device", "dtype"))
     _log(f"loaded {spec.describe()} in {time.perf_counter() - t0:.1f} s on {model.device}")

@@ -114,14 +114,10 @@ def weight_bytes_per_decode_step(model: LlamaModel) -> int:
     total = 0
     tensors = [model.norm, model.lm_head.weight]
     for layer in model.layers:
-        tensors += [
-            layer.input_norm,
-            layer.qkv_proj.weight,
-            layer.o_proj.weight,
-            layer.post_norm,
-            layer.gate_up_proj.weight,
-            layer.down_proj.weight,
-        ]
+        tensors += [layer.input_norm, layer.post_norm]
+        for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            # An FP8 projection (Fp8Linear) reads its float8 matrix and its scales.
+            tensors += [m.qweight, m.scale] if hasattr(m, "qweight") else [m.weight]
     for t in tensors:
         if t.data_ptr() not in seen:  # a tied LM head is the embedding table: count it once
             seen.add(t.data_ptr())

@@ -115,6 +115,7 @@ class LLMEngine:
         and sends the tokenizer's end-of-turn ids, `add_eos_token_ids`)."""
         # The layers with tensors, imported here: the engine's own modules need no torch.
         from pagedllm.cpu_threads import apply_thread_policy
+        from pagedllm.model.loader import holds_fp8_weights, weight_bytes
         from pagedllm.runner.model_runner import (
             ModelRunner,
             free_device_bytes,
@@ -138,6 +139,10 @@ class LLMEngine:
                 tokenizer = load_model_tokenizer(model.source_path, log)
             self.model = model
             self.tokenizer = tokenizer
+            # Bytes of the weights on the device (rank 0's under tensor parallelism;
+            # FP8 projections at a byte a value): --stats, /metrics.
+            self.weight_bytes = weight_bytes(model)
+            self.weights_fp8 = holds_fp8_weights(model)
             self.load_time_s = time.perf_counter() - t0
             mc = model.config
             if tokenizer is not None:
@@ -611,6 +616,8 @@ class LLMEngine:
             "pages_free_mib": round(bm.num_free_blocks * per_block, 2),
             "block_size": self.kv_spec.block_size,
             "kv_cache_dtype": _dtype_name(self.kv_spec.dtype),
+            "weight_bytes": self.weight_bytes,
+            "weights_fp8": self.weights_fp8,
             "prefill_tokens": s.num_prefill_tokens,
             "decode_tokens": s.num_decode_tokens,
             "steps": self.num_steps,
@@ -757,5 +764,6 @@ def _start_workers(config: EngineConfig, model: Any, max_positions: int):
         max_positions,
         config.threads,
         config.load_format,
+        config.quantization,
     )
     return TPWorkers(config.tensor_parallel_size, setup)

@@ -658,6 +658,16 @@ def check_dummy_fits(
     )
 
 
+def holds_fp8_weights(model: LlamaModel) -> bool:
+    """Whether the model's projections are held in FP8 (`Fp8Linear`s: on CUDA; the
+    CPU holds an FP8 model's dequantized)."""
+    return any(
+        isinstance(m, Fp8Linear)
+        for layer in model.layers
+        for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    )
+
+
 def weight_bytes(model: LlamaModel) -> int:
     """Bytes of the model's weights on its device (one rank's, under tensor
     parallelism): every matrix, norm, bias and embedding table once (a tied LM head
