@@ -249,17 +249,20 @@ def test_quantize_activations_kernel_matches_its_reference_bit_for_bit(group):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("block_size", SCALES, ids=["channel", "block32x64"])
+@pytest.mark.parametrize(
+    "block_size", SCALES + [(16, 48)], ids=["channel", "block32x64", "block16x48"]
+)
 def test_gemm_for_more_than_16_rows(block_size):
-    """T = 20 goes to the Triton GEMM here (torch._scaled_mm needs CUDA): x per row
-    (per channel) or per row and group of bs1 (block scales), tiles forced small
-    so that a 150 x 300 weight spans several, with partial edges."""
+    """T = 20 goes to the Triton GEMM (the dispatcher sends it nowhere else under the
+    interpreter): x per row (per channel) or per row and group of bs1 (block scales;
+    groups of 16 for bs1 = 48, which no larger power of two divides), tiles forced
+    small so that a 150 x 300 weight spans several, with partial edges."""
     gen = torch.Generator().manual_seed(11)
     w, s = ref.quantize_fp8(torch.randn(150, 300, generator=gen), block_size)
     x = torch.randn(20, 300, generator=gen)
     bias = torch.randn(150, generator=gen)
     s32 = ref.check_fp8_weight(w, s, block_size)
-    group = block_size[1] if block_size else None
+    group = (16 if block_size[1] == 48 else block_size[1]) if block_size else None
     got = tf.gemm(x, w, s32, block_size=block_size, bias=bias, config=(16, 64, 4, 2, 2))
     assert rel_err(got, quantized_oracle(x, w, s, block_size, group, bias)) < 1e-5
     assert rel_err(got, reference_op(x, w, s, block_size, bias)) < ACT_QUANT_TOL
@@ -371,7 +374,7 @@ for blocks, (bm, bn, warps, stages, group_m) in ((False, tf.GEMM_CONFIG),
     types = dict(xq_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32",
                  out_ptr="*bf16", b_ptr="*bf16")
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=group_m, BLOCK_SCALES=blocks,
-                 BS0=128, HAS_BIAS=True)
+                 BS0=128, BS1=128, HAS_BIAS=True)
     name = f"gemm blocks={blocks}"
     results[name] = build(name.replace(" ", "_"), tf._gemm_kernel, types, const, warps, stages)
 print(json.dumps(results))

@@ -43,12 +43,14 @@ What runs, by the number of rows T of x (`fp8_linear`):
   the existing SwiGLU/GeGLU kernel over its output. Where `_scaled_mm` cannot
   (not bf16, K or out not a multiple of 16, Triton's CPU interpreter, or
   USE_SCALED_MM off), the Triton GEMM below does it.
-- T > 16, block scales (bs0, bs1): x is quantized per row and group of bs1
-  columns (the 1 x 128 activation groups of the block-FP8 checkpoints' recipe)
-  and `_gemm_kernel` multiplies: tiles of BLOCK_M x BLOCK_N, BLOCK_K = bs1, each
-  chunk's fp8 dot scaled by x's group scales and W's block scale into a float32
-  accumulator. (torch's block-wise `scaled_mm` recipes need cuBLAS 12.9+ on
-  sm_90; scripts/bench_fp8.py times them beside this kernel.)
+- T > 16, block scales (bs0, bs1): x is quantized per row and group of 128
+  columns (the 1 x 128 activation groups of the block-FP8 checkpoints' recipe;
+  for a bs1 that 128 does not divide, the largest power of two that divides it)
+  and `_gemm_kernel` multiplies: tiles of BLOCK_M x BLOCK_N, BLOCK_K = the group,
+  each chunk's fp8 dot scaled by x's group scales and W's block scale into a
+  float32 accumulator. (torch's block-wise `scaled_mm` recipes need cuBLAS 12.9+
+  on sm_90; `scaled_mm_blockwise`, behind USE_SCALED_MM_BLOCKWISE, and
+  scripts/bench_fp8.py times them beside this kernel.)
 
 Numerics against `reference.fp8_linear` (which does not quantize x): e4m3 keeps
 3 mantissa bits, so each quantized activation is off by at most 2^-4 of itself
@@ -385,7 +387,7 @@ def gemv(
     tiles = triton.cdiv(rows, block_n)
     if not split:
         split = gemv_split(tiles, k, block_k, _sm_count(x.device))
-    k_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
+    k_split = max(1, triton.cdiv(triton.cdiv(k, block_k), split)) * block_k
     split = max(1, triton.cdiv(k, k_split))  # no split left without columns
     if split > 1:
         part, count = _workspace(x.device, split * tiles * (2 if glu else 1) * block_n * 16, tiles)
@@ -522,10 +524,11 @@ def _gemm_kernel(
     stride_ws,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # with BLOCK_SCALES: the block's columns (bs1)
+    BLOCK_K: tl.constexpr,  # with BLOCK_SCALES: x's group, a power of two dividing BS1
     GROUP_M: tl.constexpr,  # tiles of M that walk N together (L2 reuse of W)
     BLOCK_SCALES: tl.constexpr,
     BS0: tl.constexpr,
+    BS1: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -550,9 +553,8 @@ def _gemm_kernel(
         a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if BLOCK_SCALES:
-            kb = k0 // BLOCK_K
-            sa = tl.load(xs_ptr + rm.to(tl.int64) * G + kb, mask=m_ok, other=0.0)
-            sb = tl.load(ws_ptr + (rn // BS0) * stride_ws + kb, mask=n_ok, other=0.0)
+            sa = tl.load(xs_ptr + rm.to(tl.int64) * G + k0 // BLOCK_K, mask=m_ok, other=0.0)
+            sb = tl.load(ws_ptr + (rn // BS0) * stride_ws + k0 // BS1, mask=n_ok, other=0.0)
             acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
         else:
             # Added chunk by chunk rather than accumulated inside the MMA: the fp8
@@ -579,14 +581,19 @@ def gemm(
     config: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """`fp8_linear` by the Triton GEMM: x quantized per row (per channel) or per row
-    and group of bs1 columns (block scales), then `_gemm_kernel`. `config`:
-    (BLOCK_M, BLOCK_N, num_warps, num_stages, GROUP_M), default GEMM_CONFIG."""
+    and group of BLOCK_K columns (block scales: 128, or the largest power of two
+    that divides bs1 when it does not), then `_gemm_kernel`. `config`: (BLOCK_M,
+    BLOCK_N, num_warps, num_stages, GROUP_M), default GEMM_CONFIG or
+    GEMM_BLOCK_CONFIG."""
     m, k = x.shape
     n = weight.shape[0]
     block_m, block_n, warps, stages, group_m = config or (
         GEMM_BLOCK_CONFIG if block_size is not None else GEMM_CONFIG
     )
-    block_k = block_size[1] if block_size is not None else 128
+    block_k = 128
+    if block_size is not None:
+        while block_size[1] % block_k:
+            block_k //= 2  # (bs1 % 16 == 0: `_prepared`)
     xq, xs = quantize_activations(x, block_k if block_size is not None else None)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -612,6 +619,7 @@ def gemm(
         GROUP_M=group_m,
         BLOCK_SCALES=block_size is not None,
         BS0=block_size[0] if block_size is not None else 1,
+        BS1=block_size[1] if block_size is not None else 1,
         HAS_BIAS=bias is not None,
         num_warps=warps,
         num_stages=stages,
