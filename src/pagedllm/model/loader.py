@@ -349,19 +349,21 @@ def build_model(
     layers = []
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
+        qkv = matrix(
+            (p + "self_attn.q_proj.weight", (c.q_size, e)),
+            (p + "self_attn.k_proj.weight", (c.kv_size, e)),
+            (p + "self_attn.v_proj.weight", (c.kv_size, e)),
+        )
+        gate_up = matrix(
+            (p + "mlp.gate_proj.weight", (inter, e)),
+            (p + "mlp.up_proj.weight", (inter, e)),
+        )
         w = LayerWeights(
             input_norm=norm(p + "input_layernorm.weight", e),
-            qkv_proj=matrix(
-                (p + "self_attn.q_proj.weight", (c.q_size, e)),
-                (p + "self_attn.k_proj.weight", (c.kv_size, e)),
-                (p + "self_attn.v_proj.weight", (c.kv_size, e)),
-            ),
+            qkv_proj=qkv,
             o_proj=matrix((p + "self_attn.o_proj.weight", (e, c.q_size))),
             post_norm=norm(p + "post_attention_layernorm.weight", e),
-            gate_up_proj=matrix(
-                (p + "mlp.gate_proj.weight", (inter, e)),
-                (p + "mlp.up_proj.weight", (inter, e)),
-            ),
+            gate_up_proj=gate_up,
             down_proj=matrix((p + "mlp.down_proj.weight", (e, inter))),
         )
         if c.sandwich_norms:  # Gemma 3: HF's post_attention_layernorm follows attention
