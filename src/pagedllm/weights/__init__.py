@@ -1,8 +1,9 @@
 """Weight readers: safetensors (our own parser) and GGUF (on the `gguf` package's constants).
 
-Owns: turning files on disk into Hugging Face-named torch tensors. Does not own:
-model configuration (`pagedllm.config`) or fusing Q/K/V and gate/up (the model
-does that at load time).
+Owns: turning files on disk into Hugging Face-named torch tensors, and checking
+an FP8 checkpoint's float8 weights against their scales (`fp8.py`). Does not
+own: model configuration (`pagedllm.config`) or fusing Q/K/V and gate/up (the
+model does that at load time, with `fp8.fuse_fp8` for FP8 weights).
 """
 
 from typing import Any
