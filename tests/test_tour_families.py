@@ -73,7 +73,8 @@ def test_a_quote_that_is_not_in_the_file_is_found_stale():
 
 def test_the_table_has_a_row_for_every_switch():
     fields = [f.name for f in dataclasses.fields(ModelConfig)]
-    switches = fields[fields.index("family") :]  # the fields after it are per family
+    # The fields after it are per family, but for the checkpoint's quantization (issue 36).
+    switches = [f for f in fields[fields.index("family") :] if f != "quantization"]
     rows = re.findall(r"^\| `(\w+)`", chapter(), flags=re.M)
     assert set(switches) <= set(rows), (
         f"switches missing from the table: {set(switches) - set(rows)}"

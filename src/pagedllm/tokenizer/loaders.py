@@ -64,8 +64,14 @@ END_OF_TURN_TOKENS = (
 )
 LLAMA3_BOS = "<|begin_of_text|>"
 
-# GGUF token types (llama.cpp's llama_token_type).
-GGUF_NORMAL, GGUF_UNKNOWN, GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_UNUSED, GGUF_BYTE = range(1, 7)
+# GGUF token types (llama.cpp's llama_token_type), defined beside the SentencePiece
+# model that reads them (sentencepiece.py imports nothing of this module).
+from pagedllm.tokenizer.sentencepiece import (  # noqa: E402
+    GGUF_CONTROL,
+    GGUF_NORMAL,
+    GGUF_UNKNOWN,
+    GGUF_USER_DEFINED,
+)
 
 
 @dataclass(frozen=True)

@@ -42,14 +42,9 @@ from collections.abc import Iterable, Sequence
 import regex
 
 from pagedllm.tokenizer.bpe import _PieceCache
-from pagedllm.tokenizer.loaders import (
-    GGUF_BYTE,
-    GGUF_CONTROL,
-    GGUF_NORMAL,
-    GGUF_UNKNOWN,
-    GGUF_UNUSED,
-    GGUF_USER_DEFINED,
-)
+
+# GGUF token types (llama.cpp's llama_token_type); loaders.py reads them from here.
+GGUF_NORMAL, GGUF_UNKNOWN, GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_UNUSED, GGUF_BYTE = range(1, 7)
 
 SPACE = "\u2581"  # "▁": how SentencePiece writes a space inside its tokens
 
