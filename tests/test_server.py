@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -200,6 +201,9 @@ def test_closed_streams_free_their_pages(server):
     pages_settle(server)
     text = get(server.url + "/metrics").text
     assert "pagedllm_kv_pages_used 0.0" in text
+    # The weights' bytes, as the engine counts them (SmolLM2, float32 on the CPU).
+    shown = re.search(r"^pagedllm_model_weight_bytes (\S+)$", text, flags=re.M)
+    assert shown is not None and float(shown[1]) > 100e6
     assert get(server.url + "/health").status_code == 200
 
 

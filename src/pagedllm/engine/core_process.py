@@ -79,6 +79,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     model_path: str | None
     load_time_s: float
     worker_pids: list[int]  # tensor-parallel ranks 1..N-1 (processes of the core's own)
+    weight_bytes: int = 0  # the model's weights on the device (rank 0's under TP)
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):
@@ -110,6 +111,7 @@ class Gauges(msgspec.Struct, array_like=True):
     preemptions: int
     admission_waits: int
     steps: int  # engine steps so far
+    weight_bytes: int = 0  # the model's weights on the device (rank 0's under TP)
 
 
 class Step(msgspec.Struct, tag="step", array_like=True):
@@ -123,7 +125,10 @@ FromCore = Ready | Failed | Step
 
 def params_to_wire(params: Any) -> dict[str, Any]:
     """A SamplingParams as plain values (its own checks run again in the core)."""
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    wire = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    if wire.get("structured") is not None:  # plain values (a StructuredOutput is no msgpack type)
+        wire["structured"] = wire["structured"].as_kwargs()
+    return wire
 
 
 # ------------------------------------------------------------------ set-up
@@ -175,6 +180,7 @@ def run_engine_core(setup: CoreSetup) -> None:
             model_path=None if path is None else str(path),
             load_time_s=round(engine.load_time_s, 3),
             worker_pids=[] if engine.workers is None else [p.pid for p in engine.workers.procs],
+            weight_bytes=engine.weight_bytes,
         )
         outputs.send(encoder.encode(ready))
         loop = EngineCoreLoop(engine, inputs, outputs, setup.parent_pid)
@@ -355,6 +361,7 @@ class EngineCoreLoop:
             preemptions=s.num_preemptions,
             admission_waits=s.num_admission_waits,
             steps=self.engine.num_steps,
+            weight_bytes=self.engine.weight_bytes,
         )
 
     def _check_parent(self, busy: bool) -> None:

@@ -180,7 +180,7 @@ class EngineCoreClient:
                 if isinstance(msg, Ready):
                     self.ready = msg
                     n = msg.num_blocks
-                    self.gauges = Gauges(0, 0, 0, n, n, 0.0, 0, 0, 0)
+                    self.gauges = Gauges(0, 0, 0, n, n, 0.0, 0, 0, 0, msg.weight_bytes)
                     return msg
                 if isinstance(msg, Failed):
                     self._reap()

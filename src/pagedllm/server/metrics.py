@@ -67,6 +67,11 @@ class Metrics:
                 ("prefix_cache_hit_rate", "Prompt tokens reused / prompt tokens looked up"),
                 ("preemptions", "Requests preempted so far"),
                 ("admission_waits", "Steps in which the head of the queue did not fit"),
+                (
+                    "model_weight_bytes",
+                    "Bytes of the model's weights on the device (rank 0's under tensor "
+                    "parallelism; FP8 projections at one byte a value plus their scales)",
+                ),
             )
         }
 
@@ -95,4 +100,5 @@ _GAUGE_FIELDS = {
     "kv_pages_used": "pages_used",
     "kv_pages_free": "pages_free",
     "kv_pages_total": "pages_total",
+    "model_weight_bytes": "weight_bytes",
 }
