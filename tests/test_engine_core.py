@@ -9,6 +9,7 @@ table for a core that must exit.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -250,3 +251,29 @@ def test_the_core_takes_its_eos_ids_from_the_http_process(smollm2_path):
     stopped, reason = greedy()
     assert stopped == free[:3] and str(reason) in ("stop", "FinishReason.STOP")
     engine.close()
+
+
+def test_a_constrained_request_in_the_core_equals_the_offline_llm(client, smollm2, tokenizer):
+    """The core loads the tokenizer for the constraint's vocabulary only when the
+    first constrained request comes (on a thread, while it steps the others);
+    the tokens are the offline LLM's."""
+    pytest.importorskip("llguidance")
+    from pagedllm import LLM
+
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"enum": ["red", "green", "blue"]}, "n": {"type": "integer"}},
+        "required": ["colour", "n"],
+    }
+    ids = tokenizer.encode_chat(QUESTION)
+    params = SamplingParams(
+        max_tokens=40, temperature=0, structured={"json": schema, "whitespace": "compact"}
+    )
+    plain = SamplingParams(max_tokens=8, temperature=0)
+    (toks, text, reason, _), (plain_toks, *_) = _run(client, (ids, params), (ids, plain))
+    want = LLM(model=smollm2, tokenizer=tokenizer, kv_cache_mib=32).generate(
+        [ids, ids], [params, plain]
+    )
+    assert toks == want[0].token_ids and reason == "stop"
+    assert set(json.loads(text)) == {"colour", "n"}
+    assert plain_toks == want[1].token_ids

@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -56,6 +57,10 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Its constraint's matcher (structured/matcher.py) when its params have one:
+    # the runner masks its logits with it, the engine advances it. The scheduler
+    # never reads it.
+    matcher: Any = field(default=None, repr=False)
     _num_tokens: int = field(init=False, repr=False, default=0)
 
     def __post_init__(self) -> None:

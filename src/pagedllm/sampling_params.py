@@ -89,6 +89,9 @@ class SamplingParams:
     logprobs: int | None = None  # [0, 20]: top-k log-probs of each sampled token
     prompt_logprobs: int | None = None  # [0, 20]: the same for each prompt token
     skip_special_tokens: bool = True
+    # Constrained decoding (issue 37): a `structured.StructuredOutput`, or the
+    # keywords that build one (a dict: {"json": schema}, {"regex": ...}, ...).
+    structured: Any = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, None, ">= 1")
@@ -112,6 +115,16 @@ class SamplingParams:
             _check_bool(name, getattr(self, name))
         self.stop = _normalise_stop(self.stop)
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
+        if self.structured is not None:
+            from pagedllm.structured import StructuredOutput
+
+            if isinstance(self.structured, Mapping):
+                self.structured = StructuredOutput(**self.structured)
+            elif not isinstance(self.structured, StructuredOutput):
+                raise ValueError(
+                    "structured must be a StructuredOutput or a dict of its keywords "
+                    f"(json=, json_object=, regex=, choice=, grammar=), got {self.structured!r}"
+                )
 
     def _check_model_defaultable(self) -> None:
         """The five fields that may be None (unset); floats are stored as float."""

@@ -139,6 +139,9 @@ class CoreSetup:
     """What the core process needs to build its engine (pickled once, at spawn)."""
 
     config: Any  # EngineConfig (model path, load format, every engine flag)
+    # model_source.ModelSpec of the HTTP process's tokenizer: the core loads it only
+    # when a constrained request first needs the vocabulary (structured/).
+    tokenizer_spec: Any = None
     input_address: str = ""  # the HTTP process binds both; the core connects
     output_address: str = ""
     parent_pid: int = 0
@@ -217,12 +220,26 @@ def _build_engine(setup: CoreSetup):
 
     t1 = time.time()
     engine = LLMEngine(setup.config, None, None, log=log, load_tokenizer=False)
+    engine.tokenizer_loader = lambda: _load_tokenizer(setup.tokenizer_spec, engine)
     since = setup.started_at or t0
     log(
         f"ready {time.time() - since:.1f} s after its spawn: started in {t0 - since:.1f} s, "
         f"imports {t1 - t0:.1f} s, engine (model, KV pool, warm-up) {time.time() - t1:.1f} s"
     )
     return engine
+
+
+def _load_tokenizer(spec: Any, engine: Any) -> Any:
+    """The tokenizer the HTTP process uses (its spec's, else the model's own), for
+    the vocabulary of constrained decoding; on a worker thread, once."""
+    from pagedllm.engine.llm_engine import load_model_tokenizer
+    from pagedllm.model_source import load_tokenizer
+
+    tokenizer = load_tokenizer(spec, log=lambda m: None) if spec is not None else None
+    path = getattr(engine.model, "source_path", None)
+    if tokenizer is None and path is not None:
+        tokenizer = load_model_tokenizer(path, lambda m: None)
+    return tokenizer
 
 
 class _ParentGone(Exception):

@@ -39,9 +39,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.engine.constraints import ConstraintCompiler
 from pagedllm.engine.request_text import RequestText
 from pagedllm.engine_config import EngineConfig
 from pagedllm.kv import BlockManager
@@ -250,6 +253,13 @@ class LLMEngine:
         self.num_decode_steps = 0
         self.num_requests = 0
         self.num_output_tokens = 0
+        # Constrained decoding (structured/): constraints compile off this thread;
+        # a request waits here, outside the scheduler, until its matcher exists.
+        # `tokenizer_loader`: how the engine core (which loads no tokenizer) gets
+        # one the first time a constraint needs its vocabulary.
+        self.tokenizer_loader: Callable[[], Tokenizer | None] | None = None
+        self._constraints: ConstraintCompiler | None = None
+        self._compiling: list[tuple[Request, Future]] = []
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent). An engine of one
@@ -304,13 +314,22 @@ class LLMEngine:
                     f"request {rid}: stop strings need a tokenizer, and this model has none; "
                     f"use stop_token_ids",
                 )
+            compiled = None
+            if params.structured is not None:
+                problem = self.scheduler.rejection(req)
+                if problem is not None:
+                    _reject(req, problem)
+                compiled = self._compiler().submit(params.structured)
             incremental = incremental_text or stream or on_output is not None
             state = self._new_state(req, incremental and detokenize, on_output)
             state.detokenize = detokenize
             with deferred_interrupts():
                 self.states[rid] = state
                 try:
-                    self.scheduler.add_request(req)  # raises RequestRejected with the numbers
+                    if compiled is None:
+                        self.scheduler.add_request(req)  # raises RequestRejected with the numbers
+                    else:  # scheduled once its constraint is compiled (_admit_compiled)
+                        self._compiling.append((req, compiled))
                 except BaseException:
                     del self.states[rid]
                     raise
@@ -318,6 +337,47 @@ class LLMEngine:
                     self._outboxes[rid] = deque()
                 self.num_requests += 1
             return req
+
+    def _compiler(self) -> ConstraintCompiler:
+        if self._constraints is None:
+            if self.tokenizer is None and self.tokenizer_loader is None:
+                raise ValueError(
+                    "structured output needs the model's tokenizer (its vocabulary as "
+                    "text), and this model has none"
+                )
+            self._constraints = ConstraintCompiler(self.tokenizer, self.tokenizer_loader)
+        return self._constraints
+
+    def _admit_compiled(self, wait_s: float = 0.0) -> None:
+        """Requests whose constraints have compiled go to the scheduler, each with
+        its matcher; one whose constraint failed ends with the reason. With
+        `wait_s`, wait that long for the first when nothing else can run."""
+        if not self._compiling:
+            return
+        if wait_s and not self.scheduler.has_unfinished():
+            wait_futures([f for _, f in self._compiling], wait_s, FIRST_COMPLETED)
+        waiting = []
+        with deferred_interrupts():
+            for req, fut in self._compiling:
+                if req.is_finished:  # aborted while compiling: abort() reported it
+                    continue
+                if not fut.done():
+                    waiting.append((req, fut))
+                    continue
+                error = fut.exception()
+                if error is None:
+                    req.matcher = fut.result().matcher()
+                    try:
+                        self.scheduler.add_request(req)
+                        continue
+                    except RequestRejected as e:
+                        error = e
+                req.error = f"request {req.request_id}: {error}"
+                req.finish(FinishReason.ERROR)
+                state = self.states.get(req.request_id)
+                if state is not None:
+                    self._report_final(req, state)
+            self._compiling = waiting
 
     def _new_state(
         self,
@@ -359,20 +419,30 @@ class LLMEngine:
             state = self.states.get(req.request_id)
             if state is None or state.request is not req:
                 return
-            box = self._outboxes.get(req.request_id)
-            if report or box is not None or state.on_output is not None:
-                out = self._postprocess_safely(req, state, [])
-                if report:
-                    self._pending.append(out)
-                if box is not None:
-                    box.append(out)  # a stream always sees its end
-                if state.on_output is not None:
-                    state.on_output(out)
-            self.states.pop(req.request_id, None)
+            self._report_final(req, state, report)
             self._drop_finished_inflight()
 
+    def _report_final(self, req: Request, state: RequestState, report: bool = True) -> None:
+        """A request that finished outside a step (aborted, or its constraint failed):
+        its last output to whoever listens (`step()` when `report`), and its state gone."""
+        box = self._outboxes.get(req.request_id)
+        if report or box is not None or state.on_output is not None:
+            out = self._postprocess_safely(req, state, [])
+            if report:
+                self._pending.append(out)
+            if box is not None:
+                box.append(out)  # a stream always sees its end
+            if state.on_output is not None:
+                state.on_output(out)
+        self.states.pop(req.request_id, None)
+
     def has_unfinished(self) -> bool:
-        return bool(self._pending) or self._inflight is not None or self.scheduler.has_unfinished()
+        return (
+            bool(self._pending)
+            or self._inflight is not None
+            or bool(self._compiling)
+            or self.scheduler.has_unfinished()
+        )
 
     # ------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -383,6 +453,7 @@ class LLMEngine:
         lands in the step's bookkeeping (raised when that block ends) loses
         none of them; the next `step()` returns them."""
         with self._lock:
+            self._admit_compiled(wait_s=0.05)
             if self.scheduler.has_unfinished() or self._inflight is not None:
                 self._step()
             results, self._pending = self._pending, []
@@ -414,7 +485,9 @@ class LLMEngine:
                 # while the device runs it (a long prompt's hashes cost ~0.1 ms).
                 with deferred_interrupts():
                     self.scheduler.name_pages(plan)
-            if self.async_scheduling:
+            # A constrained request's next mask needs this step's token: no step is
+            # queued ahead while one runs.
+            if self.async_scheduling and not any(r.matcher for r in plan.scheduled):
                 with deferred_interrupts():
                     successor = self.scheduler.schedule_continuation(plan)
                 if successor is not None:
@@ -439,11 +512,31 @@ class LLMEngine:
             # 3. Bookkeeping: advance computed tokens, append samples, token-level stops.
             self._record_prompt_logprobs(result)
             updates = self.scheduler.update(plan, result.sampled_token_ids)
+            self._advance_matchers(plan.scheduled, result.sampled_token_ids)
             # 4. Detokenize, check stop strings, report.
             self._pending += self.process(updates, plan.scheduled, result)
             self._drop_finished_inflight()
             if self.recorder is not None:
                 self.recorder.record(self, plan)
+
+    def _advance_matchers(self, scheduled: Sequence[Request], sampled: list[int | None]) -> None:
+        """Each constrained request's matcher consumes its new token. A token the
+        constraint rejects ends the request with the reason; a matcher that only
+        EOS could follow ends it as a stop (its text is complete)."""
+        for req, token in zip(scheduled, sampled):
+            m = req.matcher
+            if m is None or token is None:
+                continue
+            ok = m.advance(token)
+            if req.is_finished:  # by this token (EOS, max_tokens): nothing more to decide
+                continue
+            if not ok:
+                req.error = (
+                    f"request {req.request_id}: {m.error or 'token rejected by its constraint'}"
+                )
+                self.scheduler.finish_request(req, FinishReason.ERROR)
+            elif m.is_finished:
+                self.scheduler.finish_request(req, FinishReason.STOP)
 
     def _drop_finished_inflight(self) -> None:
         """Forget a queued step whose every row has finished since it was planned

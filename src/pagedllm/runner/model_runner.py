@@ -359,6 +359,7 @@ class ModelRunner:
                 self.host_tables_t,
                 self.fence,
             )
+        self._bitmask = None  # constrained decoding's (max_num_seqs, words) host buffer
         self.host_time_s = 0.0  # time spent building batches and launching, on the host
         self.num_steps = 0
 
@@ -559,6 +560,9 @@ class ModelRunner:
             last_rows = _last_rows(host.cu_seqlens, full)
             logits = logits[self._index([last_rows[i] for i in done])]
         done_reqs = [reqs[i] for i in done] if len(done) < len(reqs) else list(reqs)
+        constrained = [(j, r.matcher) for j, r in enumerate(done_reqs) if r.matcher is not None]
+        if constrained:  # the forward pass is queued: the masks are made while it runs
+            logits = self._mask(logits, constrained)
         generators = None
         if any(r.sampling_params.seed is not None for r in done_reqs):
             generators = [self._generator(r) for r in done_reqs]
@@ -574,6 +578,21 @@ class ModelRunner:
             step.copied = torch.cuda.Event()
             step.copied.record()
         return step
+
+    def _mask(self, logits: torch.Tensor, constrained: list[tuple[int, Any]]) -> torch.Tensor:
+        """Constrained decoding (structured/): each constrained row's logits of the
+        tokens its matcher forbids become -inf, in place. The bitmask is filled on
+        the host (llguidance's threads, the GIL released) after the forward pass was
+        queued, so on a GPU the filling overlaps it; then one pinned copy and a few
+        element-wise kernels. Unconstrained rows are not touched."""
+        from pagedllm.structured import fill_bitmask
+        from pagedllm.structured.bitmask import allocate_bitmask, apply_bitmask
+
+        words = constrained[0][1].adapter.words
+        if self._bitmask is None or self._bitmask.shape[1] != words:
+            self._bitmask = allocate_bitmask(self.max_num_seqs, words * 32, pin=self.pin)
+        fill_bitmask(self._bitmask, [(k, m) for k, (_, m) in enumerate(constrained)])
+        return apply_bitmask(logits, self._bitmask, [j for j, _ in constrained])
 
     @torch.inference_mode()
     def collect(self, step: LaunchedStep) -> RunnerOutput:

@@ -193,12 +193,17 @@ class Scheduler:
         A rejected request is finished with FinishReason.REJECTED and its
         `error` set to the message before RequestRejected is raised.
         """
-        problem = self._rejection(request)
+        problem = self.rejection(request)
         if problem is not None:
             request.error = problem
             request.finish(FinishReason.REJECTED)
             raise RequestRejected(problem)
         self.waiting.append(request)
+
+    def rejection(self, request: Request) -> str | None:
+        """Why `request` could never run (its message), or None: `add_request`'s
+        check alone, for a caller that adds the request later."""
+        return self._rejection(request)
 
     def _rejection(self, request: Request) -> str | None:
         prompt, max_tokens = request.num_prompt_tokens, request.max_tokens

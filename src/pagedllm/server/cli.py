@@ -209,7 +209,7 @@ def serve_main(argv: list[str]) -> int:
     # The core process loads the model (every rank its own slice, with
     # --tensor-parallel-size: a preset is its directory with dummy weights)
     # while this process loads the tokenizer; the port listens once both are done.
-    engine = EngineCoreClient(config.replace(**engine_model(spec)))
+    engine = EngineCoreClient(config.replace(**engine_model(spec)), tokenizer_spec=spec)
     workers = None
     try:
         engine.start_process()  # first: the rest of start-up runs beside its load

@@ -108,9 +108,13 @@ class EngineCoreClient:
         self,
         config: Any,
         tokenizer: Any = None,
+        tokenizer_spec: Any = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        # The core loads this tokenizer (a model_source.ModelSpec; None: the model's
+        # own) only if a constrained request needs the vocabulary.
+        self.tokenizer_spec = tokenizer_spec
         self.ready: Ready | None = None
         self.error: str | None = None  # why the core stopped, once it did
         self.gauges: Gauges | None = None
@@ -145,6 +149,7 @@ class EngineCoreClient:
         """Spawn the core; it loads the model while the caller does other work."""
         setup = CoreSetup(
             config=self.config,
+            tokenizer_spec=self.tokenizer_spec,
             input_address=f"ipc://{self._dir}/in",
             output_address=f"ipc://{self._dir}/out",
             parent_pid=os.getpid(),
