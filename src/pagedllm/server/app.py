@@ -969,5 +969,5 @@ def _rejection(
 
 def _first_field(message: str, body: Any) -> str | None:
     """The field a SamplingParams message starts with ("top_k must be ..."), if the body has it."""
-    word = message.split(" ", 1)[0]
+    word = message.split(" ", 1)[0].rstrip(":,")
     return word if word in type(body).model_fields else None

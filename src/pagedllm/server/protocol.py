@@ -11,7 +11,7 @@ the field, not a tokenizer's UnicodeEncodeError.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
@@ -71,6 +71,34 @@ class StreamOptions(_Body):
 Stop = StopText | Annotated[list[StopItem], Field(max_length=MAX_STOP_STRINGS)]
 
 
+class JSONSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    # "schema" is a pydantic BaseModel attribute: read under an alias.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`: plain text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` extension (extra_body), one of json, regex,
+    choice, grammar or json_object, and its option for compact JSON."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool | None = None
+
+
 class _Sampling(_Body):
     """The fields chat and completions share."""
 
@@ -90,6 +118,14 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
+    # Constrained decoding (issue 37): OpenAI's field, vLLM's extension, and vLLM's
+    # older guided_* fields, so that clients written for either work.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -107,7 +143,70 @@ class _Sampling(_Body):
             repetition_penalty=self.repetition_penalty,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            structured=self.structured(),
         )
+
+    def structured(self) -> Any:
+        """The request's constraint (a `structured.StructuredOutput`), or None.
+        ValueError naming the field: two constraints at once, or one that does
+        not compile (a malformed schema, regex or grammar)."""
+        given: dict[str, tuple[str, Any]] = {}  # field -> (kind, value)
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given["response_format"] = ("json_object", True)
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise ValueError("response_format: type json_schema needs json_schema.schema")
+            given["response_format"] = ("json", rf.json_schema.json_schema)
+        so = self.structured_outputs
+        if so is not None:
+            kinds = [
+                (k, v)
+                for k, v in (
+                    ("json", so.json_),
+                    ("regex", so.regex),
+                    ("choice", so.choice),
+                    ("grammar", so.grammar),
+                    ("json_object", so.json_object or None),
+                )
+                if v is not None
+            ]
+            if len(kinds) > 1:
+                raise ValueError(
+                    "structured_outputs: give one of json, regex, choice, grammar, json_object"
+                )
+            if kinds:
+                given["structured_outputs"] = kinds[0]
+        for name, kind in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            if getattr(self, name) is not None:
+                given[name] = (kind, getattr(self, name))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ValueError(f"{', '.join(given)}: give one constraint, not {len(given)}")
+        ((field, (kind, value)),) = given.items()
+        options: dict[str, Any] = {}
+        if so is not None and so.disable_any_whitespace:
+            options["whitespace"] = "compact"
+        strict = rf.json_schema.strict if rf is not None and rf.json_schema is not None else None
+        if so is not None and so.disable_additional_properties is not None:
+            strict = so.disable_additional_properties
+        if strict is not None:
+            options["strict"] = strict
+        from pagedllm.structured import StructuredOutput
+
+        try:
+            if kind not in ("json", "json_object"):
+                options.pop("whitespace", None)
+                options.pop("strict", None)
+            return StructuredOutput(**{kind: value}, **options)
+        except ValueError as e:
+            raise ValueError(f"{field}: {e}") from None
 
     @property
     def include_usage(self) -> bool:
