@@ -38,10 +38,10 @@ each step, for the rows whose request has a matcher:
                             matcher.is_finished     -> finish ("stop"; only EOS may follow)
 ```
 
-A step's mask needs the previous step's token, so with async scheduling
-(the next step queued before this one's ids are read), the order is: queue
-step N+1's forward, read step N's ids, `advance`, fill, then queue step N+1's
-masking and sampling. Rows of the bitmask are indexed in the order
+A step's mask needs the previous step's token, so the engine queues no step
+ahead (async scheduling) while a constrained request runs. Keeping the
+overlap would take this order, not built yet: queue step N+1's forward, read
+step N's ids, `advance`, fill, then queue step N+1's masking and sampling. Rows of the bitmask are indexed in the order
 `fill_bitmask` was given; `apply_bitmask` maps bitmask row i to logits row
 `rows[i]`. Unconstrained rows are never touched (bit-identical logits).
 
@@ -97,9 +97,11 @@ allows none). llguidance refuses what it cannot honour (`uniqueItems`, `not`,
 schema compiles in milliseconds, so a burst of distinct tool schemas does not
 queue behind the compile thread. Its cost is the per-step fill: at batch 64
 with Llama 3's vocabulary, about 1 ms with its threads on two busy cores,
-which is to be hidden behind the forward pass of a batch-64 step (several
-milliseconds on the 1B preset). The GPU machine's 16 cores were not lent
-while this was measured: the engine's batch-64 benchmark must confirm it.
+which the runner fills while the GPU runs the step's forward pass. A 1B
+decode step of 64 rows takes about 2.3 ms on the H200, so the fill is not
+small beside it, and while a constrained request runs no step is queued
+ahead (the engine's async scheduling is off for that step). Not measured on
+the GPU yet: `scripts/bench_structured.py` is the benchmark.
 
 ## Dependency: core, not the `server` extra
 
