@@ -11,6 +11,11 @@ in a process of its own: this process's Python never holds up a step).
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
     POST /tokenize   POST /detokenize   GET /health   GET /version   GET /metrics
 
+Chat completions take `tools` and `tool_choice` (tool_calls.py: the call format,
+the constraint that forces a call, the parser that finds calls); a choice
+whose output holds calls answers `message.tool_calls` and finish_reason
+"tool_calls", and a stream holds back text that may be a call until it ends.
+
 Errors are `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
 parameter or a request too long for the context (`param` names the field),
 401 for a wrong or missing API key (on /v1/*, /tokenize and /detokenize), 404
@@ -48,9 +53,11 @@ from pagedllm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    FieldError,
     TokenizeRequest,
 )
 from pagedllm.server.tokenize_pool import POOL_MIN_CHARS, TokenizePool
+from pagedllm.server.tool_calls import ToolPlan, ToolStream, parse_tool_calls, template_messages
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_MAX_QUEUED = 1024  # requests waiting or running; past it, a 503 (not unbounded memory)
@@ -398,7 +405,7 @@ def build_app(
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         tok = _need_tokenizer()
         if body.messages is not None:
-            ids = await _chat_ids(tok, body.messages)
+            ids = await _chat_ids(tok, body.messages, None)
         else:
             ids = (await _encode_texts([body.prompt or ""], body.add_special_tokens))[0]
         return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
@@ -420,8 +427,13 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         _check_model(body.model)
-        prompt_ids = await _chat_ids(_need_tokenizer(), body.messages)
-        return await _complete(request, body, [prompt_ids], chat=True)
+        tok = _need_tokenizer()
+        try:
+            plan = body.tool_plan(tok.chat_template)
+        except FieldError as e:
+            raise APIError(400, str(e), "invalid_request_error", e.param) from None
+        prompt_ids = await _chat_ids(tok, body.messages, plan)
+        return await _complete(request, body, [prompt_ids], chat=True, tools=plan)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -455,14 +467,20 @@ def build_app(
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(tokenize_pool, functools.partial(fn, *args, **kwargs))
 
-    async def _chat_ids(tok: Any, messages: list[Any]) -> list[int]:
+    async def _chat_ids(tok: Any, messages: list[Any], plan: ToolPlan | None) -> list[int]:
         size = sum(len(m.text()) for m in messages)
-        if tokenize_workers is not None and size > POOL_MIN_CHARS:
+        dicts = [m.template_dict() for m in messages]
+        if plan is not None:
+            dicts, kwargs = plan.messages(dicts), plan.template_kwargs
+        else:
+            dicts, kwargs = template_messages(dicts, None, tok.chat_template), {}
+        # The workers' encode_chat takes no template keywords: `tools=` is rendered here.
+        if tokenize_workers is not None and size > POOL_MIN_CHARS and not kwargs:
             try:
-                return await tokenize_workers.encode_chat(_messages(messages))
+                return await tokenize_workers.encode_chat(dicts)
             except ValueError as e:  # the template refused the conversation
                 raise APIError(400, str(e), "invalid_request_error", "messages") from None
-        return await _off_loop(size, _encode_chat, tok, messages)
+        return await _off_loop(size, _encode_chat, tok, dicts, kwargs)
 
     async def _encode_texts(texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         """Each text's ids: in the worker processes (one text each, in parallel)
@@ -499,7 +517,13 @@ def build_app(
         fits = pool_tokens - prompt_len + 1  # the last token is never written
         return max(min(room, fits), 1)
 
-    async def _complete(request: Request, body: Any, prompts: list[list[int]], chat: bool) -> Any:
+    async def _complete(
+        request: Request,
+        body: Any,
+        prompts: list[list[int]],
+        chat: bool,
+        tools: ToolPlan | None = None,
+    ) -> Any:
         if not engine.alive:
             raise APIError(503, f"the engine is not serving: {engine.error}", "server_error")
         if in_flight.stopping:
@@ -513,6 +537,8 @@ def build_app(
             for i in range(body.n):
                 try:
                     params = body.sampling_params(max_tokens, logprobs, i)
+                except FieldError as e:
+                    raise APIError(400, str(e), "invalid_request_error", e.param) from None
                 except ValueError as e:
                     param = _first_field(str(e), body)
                     raise APIError(400, str(e), "invalid_request_error", param) from None
@@ -564,9 +590,11 @@ def build_app(
                 release(k)
             raise
         if body.stream:
-            sse = _sse(request, body, rid, created, jobs, streams, firsts, chat, usage)
+            sse = _sse(request, body, rid, created, jobs, streams, firsts, chat, usage, tools)
             return StreamingResponse(sse, media_type="text/event-stream")
-        return await _collect(request, body, rid, created, jobs, streams, firsts, chat, usage)
+        return await _collect(
+            request, body, rid, created, jobs, streams, firsts, chat, usage, tools
+        )
 
     async def _choice_stream(
         ids: list[int], params: Any, release: Callable[[], None]
@@ -604,7 +632,9 @@ def build_app(
             raise
         return firsts
 
-    async def _collect(request, body, rid, created, jobs, streams, firsts, chat, usage) -> Any:
+    async def _collect(
+        request, body, rid, created, jobs, streams, firsts, chat, usage, tools
+    ) -> Any:
         async def finish(stream, first) -> StepOutput:
             out = first
             text = [first.new_text]
@@ -649,12 +679,23 @@ def build_app(
             text = out.full_text  # type: ignore[attr-defined]
             lp = out.state.logprobs if out.state is not None else None
             if chat:
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                finish = _finish(out)
+                if tools is not None and tools.parses:
+                    content, calls = parse_tool_calls(text, tools.names)
+                    if calls:
+                        message = {
+                            "role": "assistant",
+                            "content": content,
+                            "tool_calls": [c.as_openai() for c in calls],
+                        }
+                        finish = _tool_finish(finish)
                 choices.append(
                     {
                         "index": index,
-                        "message": {"role": "assistant", "content": text},
+                        "message": message,
                         "logprobs": _chat_logprobs(req.output_token_ids, lp),
-                        "finish_reason": _finish(out),
+                        "finish_reason": finish,
                     }
                 )
             else:
@@ -682,7 +723,7 @@ def build_app(
         }
 
     async def _sse(
-        request, body, rid, created, jobs, streams, firsts, chat, usage
+        request, body, rid, created, jobs, streams, firsts, chat, usage, tools
     ) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -704,6 +745,10 @@ def build_app(
                 [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]
             )
 
+        # "auto", "required" or a named function: each choice's text goes through a
+        # ToolStream, which holds back what may be a call until the choice ends.
+        held = {j[0]: ToolStream(tools.names) for j in jobs} if tools and tools.parses else {}
+
         def piece(index: int, out: StepOutput) -> dict[str, Any]:
             lp = None
             if out.state is not None and out.state.logprobs is not None and out.new_token_ids:
@@ -711,9 +756,39 @@ def build_app(
                 lp = (_chat_logprobs if chat else _completion_logprobs)(out.new_token_ids, entries)
             finish = _finish(out) if out.finished else None
             if chat:
-                delta = {"content": out.new_text} if out.new_text else {}
+                text = out.new_text
+                if index in held:
+                    text = held[index].feed(text)
+                delta = {"content": text} if text else {}
                 return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             return {"index": index, "text": out.new_text, "logprobs": lp, "finish_reason": finish}
+
+        def tool_pieces(index: int, last: dict[str, Any]) -> list[dict[str, Any]]:
+            """The choice's last chunk(s) once its output is whole: the held text as
+            content, then each call as OpenAI streams one (index, id, type and name
+            with empty arguments, then the arguments), the finish reason on the last."""
+            content, calls = held[index].finish()
+            finish = last["finish_reason"]
+            if calls:
+                finish = _tool_finish(finish)
+            if content:
+                last["delta"] = {**last["delta"], "content": last["delta"].get("content", "")}
+                last["delta"]["content"] += content
+            pieces = [{**last, "finish_reason": None}] if last["delta"] or last["logprobs"] else []
+            for k, call in enumerate(calls):
+                head = {
+                    "index": k,
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": ""},
+                }
+                args = {"index": k, "function": {"arguments": call.arguments}}
+                for delta in ({"tool_calls": [head]}, {"tool_calls": [args]}):
+                    pieces.append(
+                        {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+                    )
+            end = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}
+            return [*pieces, end]
 
         completion_tokens = 0
         indices = [j[0] for j in jobs]
@@ -725,7 +800,12 @@ def build_app(
                 completion_tokens += len(out.new_token_ids)
                 usage[1] = completion_tokens
                 if out.new_text or out.finished:
-                    yield chunk([piece(index, out)])
+                    p = piece(index, out)
+                    if out.finished and index in held:
+                        for q in tool_pieces(index, p):
+                            yield chunk([q])
+                    elif not chat or p["delta"] or out.finished or p["logprobs"]:
+                        yield chunk([p])
             if body.include_usage:
                 prompt_tokens = sum(
                     len(ids) for k, (_, ids, _) in enumerate(jobs) if k % body.n == 0
@@ -862,24 +942,23 @@ def _clip(text: str, limit: int = 4096) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
-def _encode_chat(tokenizer: Any, messages: list[Any]) -> list[int]:
+def _encode_chat(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict) -> list[int]:
     """The chat template's token ids; a conversation it refuses is the client's error."""
     try:
-        return tokenizer.encode_chat(_messages(messages))
+        return tokenizer.encode_chat(messages, **kwargs)
     except ValueError as e:
         raise APIError(400, str(e), "invalid_request_error", "messages") from None
-
-
-def _messages(messages: list[Any]) -> list[dict[str, str]]:
-    return [
-        {"role": m.role if m.role != "developer" else "system", "content": m.text()}
-        for m in messages
-    ]
 
 
 def _finish(out: StepOutput) -> str:
     reason = out.request.finish_reason
     return str(reason) if reason is not None else "stop"
+
+
+def _tool_finish(reason: str) -> str:
+    """A choice whose output holds calls ends in "tool_calls" (OpenAI's), unless it
+    was cut short (length): then the calls are what could be parsed."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 # ------------------------------------------------------------ error messages

@@ -11,9 +11,18 @@ the field, not a tokenizer's UnicodeEncodeError.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StringConstraints,
+    model_validator,
+)
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -52,9 +61,49 @@ class TextPart(_Body):
     text: Text
 
 
+class CalledFunction(_Body):
+    name: Text
+    arguments: Text  # a JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Body):
+    """A call in an earlier assistant turn (what the server answered)."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(_Body):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant turns
+    tool_call_id: Text | None = None  # tool turns: the call this answers
+    name: Text | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> Message:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id: the id of the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not {self.role!r}")
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as a chat template reads it (developer is the system role)."""
+        out: dict[str, Any] = {
+            "role": self.role if self.role != "developer" else "system",
+            "content": self.text(),
+        }
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+            if self.content is None:
+                out["content"] = None
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -213,11 +262,112 @@ class _Sampling(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class FunctionDef(_Body):
+    name: str | None = None  # checked in ChatCompletionRequest.tool_plan, for its message
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FieldError(ValueError):
+    """A bad value with the field it is in (`param` of the 400)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; "auto" parses every call anyway
+    _tool_plan: Any = PrivateAttr(default=None)
+
+    def tool_plan(self, template: str | None) -> Any:
+        """The request's tools checked (FieldError naming the field), as a
+        `tool_calls.ToolPlan` for the model's chat template; kept for
+        `structured()`. Without tools, a plan that parses nothing (tool_choice "none")."""
+        from pagedllm.server import tool_calls
+        from pagedllm.structured import StructuredOutput
+
+        tools = self.tools or []
+        choice = self.tool_choice
+        if choice is None:
+            choice = "auto" if tools else "none"
+        if not tools and choice != "none":
+            raise FieldError("tool_choice", "needs tools: give the functions the model may call")
+        seen: dict[str, dict[str, Any]] = {}
+        for i, tool in enumerate(tools):
+            f = tool.function
+            where = f"tools.{i}.function"
+            if not f.name:
+                raise FieldError(f"{where}.name", "a function tool needs a name")
+            if not _FUNCTION_NAME.fullmatch(f.name):
+                raise FieldError(
+                    f"{where}.name",
+                    f"{f.name[:70]!r} is not a function name: use 1 to 64 letters, "
+                    "digits, '_' or '-'",
+                )
+            if f.name in seen:
+                raise FieldError(f"{where}.name", f"two tools are named {f.name!r}")
+            if f.parameters is not None:
+                try:
+                    StructuredOutput(json=f.parameters)
+                except ValueError as e:
+                    raise FieldError(f"{where}.parameters", str(e)) from None
+            seen[f.name] = {"name": f.name, "parameters": f.parameters}
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in seen:
+                raise FieldError(
+                    "tool_choice.function.name",
+                    f"no tool is named {choice.function.name[:70]!r}; name one of "
+                    f"{', '.join(seen)}",
+                )
+            forced = [seen[choice.function.name]]
+        else:
+            forced = list(seen.values()) if choice == "required" else []
+        plan = tool_calls.ToolPlan.build(
+            [t.model_dump(exclude_none=True) for t in tools],
+            choice if isinstance(choice, str) else choice.function.name,
+            forced,
+            template,
+        )
+        self._tool_plan = plan
+        return plan
+
+    def structured(self) -> Any:
+        """A forced tool call's constraint, or the response_format's (not both)."""
+        plan = self._tool_plan
+        if plan is None or plan.constraint is None:
+            return super().structured()
+        if super().structured() is not None:
+            raise FieldError(
+                "tool_choice",
+                "a forced tool call cannot also follow response_format or another "
+                "constraint: give one",
+            )
+        return plan.constraint
 
     def wanted_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

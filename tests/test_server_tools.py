@@ -1,0 +1,198 @@
+"""Tools over HTTP (issue 37 item 3), with the official `openai` client on SmolLM2.
+
+SmolLM2's GGUF template ignores `tools`, so the server teaches them in a system
+prompt in the `<tool_call>` format; a forced call ("required", a named
+function) is constrained to that format, its arguments to the tool's
+parameters (oracle: `jsonschema`). "auto" parsing on fixed outputs of each
+format is tests/test_tool_calls.py.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+
+from server_helpers import MODEL, Server  # noqa: E402
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+            "required": ["zone"],
+        },
+    },
+}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    s = Server(smollm2, kv_cache_mib=64, max_num_seqs=16)
+    yield s
+    s.stop()
+
+
+def _valid(call) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_a_named_tool_choice_gives_a_valid_call(server):
+    r = server.client().chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=80,
+        temperature=1.0,
+        seed=3,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_time"
+    _valid(call)
+
+
+def test_required_with_two_tools_calls_one_of_them(server):
+    r = server.client().chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        max_tokens=80,
+        temperature=1.0,
+        seed=0,
+        n=4,
+    )
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.content is None
+        (call,) = choice.message.tool_calls
+        _valid(call)
+
+
+def test_a_streamed_named_call_is_assembled_by_the_openai_client(server):
+    client = server.client()
+    request = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=80,
+        temperature=0,
+    )
+
+    def streamed():
+        with client.beta.chat.completions.stream(**request) as stream:
+            for _ in stream:
+                pass
+            return stream.get_final_completion()
+
+    with ThreadPoolExecutor(2) as pool:  # batched together: one run's time
+        plain = pool.submit(client.chat.completions.create, **request)
+        final = streamed()
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    _valid(call)
+    # The same call without streaming: the same arguments (greedy).
+    assert plain.result().choices[0].message.tool_calls[0].function.arguments == (
+        call.function.arguments
+    )
+
+
+def test_a_tool_message_is_accepted_in_the_next_turn(server):
+    client = server.client()
+    first = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=80
+    )
+    call = first.choices[0].message.tool_calls[0]
+    messages = [
+        *ASK,
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+    ]
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=12
+    )
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+    # The call and the tool's answer are in the prompt the model saw (the
+    # rendering itself: tests/test_tool_calls.py).
+    alone = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=1
+    )
+    assert r.usage.prompt_tokens > alone.usage.prompt_tokens + first.usage.completion_tokens
+
+
+def test_none_gives_plain_text(server):
+    r = server.client().chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=16
+    )
+    choice = r.choices[0]
+    assert choice.message.content and choice.message.tool_calls is None
+    assert choice.finish_reason in ("stop", "length")
+
+
+BAD = [
+    ({"tools": [{"type": "function", "function": {"description": "x"}}]}, "tools.0.function.name"),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]},
+        "tools.0.function.parameters",
+    ),
+    (
+        {
+            "tools": [WEATHER],
+            "tool_choice": {"type": "function", "function": {"name": "nope"}},
+        },
+        "tool_choice.function.name",
+    ),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "tools.1.function.name"),
+    (
+        {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "tool_choice",
+    ),
+    (
+        {"messages": [*ASK, {"role": "tool", "content": "21"}]},
+        "messages.1",
+    ),
+]
+
+
+@pytest.mark.parametrize(("extra", "param"), BAD)
+def test_bad_tools_are_400_naming_the_field(server, extra, param):
+    body = {"messages": ASK, "max_tokens": 4, **extra}
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client().chat.completions.create(model=MODEL, **body)
+    error = e.value.body
+    assert "\n" not in error["message"]
+    assert error["param"] == param, error
