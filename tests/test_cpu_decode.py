@@ -3,7 +3,10 @@
 Batch-1 decode attention on the CPU takes a path of fewer PyTorch ops
 (`reference._decode_attention_one`); it must give what the general, masked
 path gives for the same sequence, for every length around a page's edge, an
-empty sequence, and half-precision and float8 pages.
+empty sequence, and half-precision and float8 pages. With more than one
+thread, a decode step gives them to numpy's OpenBLAS and a prefill step to
+torch (`cpu_threads.threads_for_step`): the runner must switch at the right
+steps, and the tokens must be those of the float32 reference loop.
 """
 
 from __future__ import annotations
@@ -11,8 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm import LLM, SamplingParams, cpu_threads
+from pagedllm.model import cpu_blas, load_model
 from pagedllm.ops import reference as R
+from pagedllm.runner import model_runner
 from test_reference_ops import naive_attention, paged
+from tiny_models import make_tiny_llama_dir
 
 
 def general_path(q, kc, vc, tables, lens, scale):
@@ -61,3 +68,50 @@ def test_batch_one_narrow_pages(dtype):
     out = R.decode_attention(q, kc, vc, tables, lens, 0.25)
     assert out.dtype == q.dtype
     torch.testing.assert_close(out, general_path(q, kc, vc, tables, lens, 0.25))
+
+
+@pytest.fixture
+def two_threads(monkeypatch):
+    """The policy's count set to 2 (whatever this machine has), restored after."""
+    before = torch.get_num_threads()
+    monkeypatch.setattr(cpu_threads, "_applied", 2)
+    monkeypatch.setattr(cpu_threads, "_step_mode", None)
+    yield
+    torch.set_num_threads(before)
+    cpu_blas.set_blas_threads(1)
+    cpu_threads._step_mode = None
+
+
+def test_threads_for_step_gives_decode_to_openblas_and_prefill_to_torch(two_threads):
+    assert cpu_threads.threads_for_step(True) == (1, 2)
+    assert torch.get_num_threads() == 1
+    assert cpu_threads.threads_for_step(False) == (2, 1)
+    assert torch.get_num_threads() == 2
+
+
+def test_one_thread_stays_with_torch(monkeypatch):
+    monkeypatch.setattr(cpu_threads, "_applied", 1)
+    monkeypatch.setattr(cpu_threads, "_step_mode", None)
+    assert cpu_threads.threads_for_step(True) == (1, 1)
+    assert cpu_threads.threads_for_step(False) == (1, 1)
+
+
+def test_engine_switches_pools_per_step_and_keeps_greedy_tokens(tmp_path, two_threads, monkeypatch):
+    path, _ = make_tiny_llama_dir(tmp_path / "m", seed=3, num_key_value_heads=2)
+    model = load_model(path, device="cpu", dtype="float32")
+    llm = LLM(model=model, kv_cache_mib=2)
+    cpu_threads._applied, cpu_threads._step_mode = 2, None  # the engine applied its policy
+    seen = []
+
+    def spy(numpy_projections):
+        seen.append(numpy_projections)
+        return cpu_threads.threads_for_step(numpy_projections)
+
+    monkeypatch.setattr(model_runner, "threads_for_step", spy)
+    prompt = list(range(10, 50))  # 40 rows: more than numpy's 32, so prefill stays on torch
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert seen == [False] + [True] * 5  # the prefill, then five decode steps
+    ids = list(prompt)
+    for _ in range(6):  # the float32 reference: whole sequence, no cache
+        ids.append(int(model.forward_logits(ids)[-1].argmax()))
+    assert out[0].token_ids == ids[len(prompt) :]

@@ -1,8 +1,9 @@
 """How many CPU threads torch uses: a count that holds up beside a busy neighbour.
 
-Owns: torch's intra-op thread count (`torch.set_num_threads`). Does not own:
-numpy's OpenBLAS threads (`model/cpu_blas.py` pins those to one), or when the
-policy is applied (`LLMEngine` applies it when it is built; the CLI and
+Owns: torch's intra-op thread count (`torch.set_num_threads`), and how a CPU
+step shares the count between torch and numpy's OpenBLAS (`threads_for_step`;
+`model/cpu_blas.py` finds OpenBLAS's setter and pins it to one thread until
+then). Does not own: when the policy is applied (`LLMEngine` applies it when it is built; the CLI and
 `pagedllm bench` before they load a model, so the load runs under it too).
 
 The problem. torch runs its CPU ops on an OpenMP pool of one thread per core,
@@ -44,6 +45,24 @@ pass `--threads N` to choose). `OMP_NUM_THREADS`, when the user sets it, wins
 (torch has read it). The inter-op pool is left alone: pagedllm never starts it
 (a generate runs 3 OS threads whether it is set to 1, 2 or 8).
 
+Decode with more than one thread (issue 38 item 3). A batch-1 decode step's
+projections are matrix-vector products through numpy's OpenBLAS (`model/
+cpu_blas.py`), pinned to one thread, and its other ops are too small for a
+second torch thread to pay (measured: decode 40 ms a step with 2 torch threads,
+36 ms with 1). What a second core can do is stream weights: a 113 MB LM head
+read at 25.7 GB/s by one OpenBLAS thread, 37.9 GB/s by two (read-only
+ceiling 28-39 GB/s: one thread does not reach it). So with N > 1 threads,
+`threads_for_step` gives each step one pool or the other, never both (torch's
+and OpenBLAS's spinning threads on the same cores made a step 313 ms instead
+of 34): a step whose projections all go through numpy (at most
+`linear.NUMPY_MATMUL_MAX_ROWS` rows, float32) runs torch on 1 thread and
+OpenBLAS on N; any other step (prefill) torch on N and OpenBLAS on 1. The
+switch costs two calls when the kind of step changes, nothing otherwise.
+Measured (SmolLM2 float32, 2026-12-04, load 1.7-1.9 from other processes,
+scripts/profile_cpu_decode.py): 36.2 ms a step with 1 thread, 34.0 with 2.
+The default stays 1 thread on 2 cores (above): beside a busy process, two
+spinning threads of any pool collapse.
+
 An explicit `threads` always wins, and stays chosen: a later call with
 `threads=None` (the engine's own, after the CLI's `--threads N`) keeps it.
 Calling it twice is safe. Importing this module does not import torch.
@@ -56,6 +75,8 @@ import os
 POLICY_SUMMARY = "one fewer than the usable cores, at least 1"
 
 _chosen: int | None = None  # set by an explicit call; later calls with None keep it
+_applied: int | None = None  # the count the last apply_thread_policy set
+_step_mode: tuple[int, int] | None = None  # (torch, OpenBLAS) threads set by threads_for_step
 
 
 def usable_cores() -> int:
@@ -97,7 +118,7 @@ def apply_thread_policy(threads: int | None = None) -> int:
     `threads`: an exact count (>= 1), which later calls with None keep; None:
     the count an earlier call chose, else `default_threads()`.
     """
-    global _chosen
+    global _chosen, _applied, _step_mode
     import torch
 
     if threads is not None:
@@ -107,4 +128,28 @@ def apply_thread_policy(threads: int | None = None) -> int:
     count = _chosen if _chosen is not None else default_threads()
     if torch.get_num_threads() != count:
         torch.set_num_threads(count)
+    _applied, _step_mode = count, None  # the next threads_for_step sets both pools again
     return count
+
+
+def threads_for_step(numpy_projections: bool) -> tuple[int, int]:
+    """Before a CPU forward pass: give the policy's threads (the last
+    `apply_thread_policy`'s count) to torch or to numpy's OpenBLAS (see "Decode
+    with more than one thread" above). `numpy_projections`: every projection of
+    this step goes through numpy. Returns the (torch, OpenBLAS) threads now set;
+    calls nothing when they are unchanged."""
+    global _applied, _step_mode
+    import torch
+
+    from pagedllm.model import cpu_blas
+
+    if _applied is None:  # no policy applied (a runner built by hand): torch's count
+        _applied = torch.get_num_threads()
+    threads = _applied
+    mode = (1, threads) if numpy_projections and threads > 1 else (threads, 1)
+    if mode != _step_mode:
+        if torch.get_num_threads() != mode[0]:
+            torch.set_num_threads(mode[0])
+        cpu_blas.set_blas_threads(mode[1])
+        _step_mode = mode
+    return mode

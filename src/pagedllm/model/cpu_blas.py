@@ -24,9 +24,13 @@ _SETTERS = (
 )
 
 
+_setter = None  # OpenBLAS's set_num_threads, once found
+
+
 @lru_cache(maxsize=1)
 def numpy_matmul_ok() -> bool:
     """Pin numpy's OpenBLAS to one thread; True when numpy matmuls are then safe to use."""
+    global _setter
     if os.environ.get("PAGEDLLM_CPU_NUMPY_MATMUL", "1") == "0":
         return False
     import numpy
@@ -41,6 +45,16 @@ def numpy_matmul_ok() -> bool:
             continue
         for name in _SETTERS:
             if hasattr(lib, name):
-                getattr(lib, name)(1)
+                _setter = getattr(lib, name)
+                _setter(1)
                 return True
     return False
+
+
+def set_blas_threads(threads: int) -> bool:
+    """Let numpy's OpenBLAS use `threads` threads; False when it cannot be set
+    (`numpy_matmul_ok()` False: the model does not use numpy then)."""
+    if not numpy_matmul_ok() or _setter is None:
+        return False
+    _setter(int(threads))
+    return True

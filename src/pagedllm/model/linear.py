@@ -31,6 +31,12 @@ from pagedllm.ops import reference
 NUMPY_MATMUL_MAX_ROWS = 32  # CPU projections of at most this many tokens go through numpy
 
 
+def numpy_projections(num_rows: int, dtype: torch.dtype) -> bool:
+    """Whether a CPU step of `num_rows` tokens in `dtype` multiplies through numpy
+    (the runner gives such a step's threads to OpenBLAS: `cpu_threads.threads_for_step`)."""
+    return num_rows <= NUMPY_MATMUL_MAX_ROWS and dtype == torch.float32 and numpy_matmul_ok()
+
+
 class Linear:
     """A weight matrix of HF shape (out, in), applied as `linear(x)`: (T, in) -> (T, out).
 
@@ -63,7 +69,7 @@ class Linear:
             if bias is None:
                 return impl.linear(x, self.stored)
             return impl.linear(x, self.stored, bias=bias)
-        if x.shape[0] <= NUMPY_MATMUL_MAX_ROWS and x.dtype == torch.float32 and numpy_matmul_ok():
+        if numpy_projections(x.shape[0], x.dtype):
             # Few rows (decode): numpy's BLAS streams CPU weights faster than torch's
             # (see cpu_blas.py); many rows (prefill) stay on torch's multi-threaded
             # GEMM, since numpy's BLAS is pinned to one thread. Zero-copy views.

@@ -24,9 +24,11 @@ import numpy as np
 import torch
 
 from pagedllm import memory
+from pagedllm.cpu_threads import threads_for_step
 from pagedllm.engine_config import EngineConfig
 from pagedllm.model import load_model
 from pagedllm.model.batch import ForwardBatch
+from pagedllm.model.linear import numpy_projections
 from pagedllm.model.llama import KVCache, LlamaModel
 from pagedllm.model.loader import model_quantization, resolve_device, resolve_dtype
 from pagedllm.model.parallel import TensorParallel
@@ -543,6 +545,9 @@ class ModelRunner:
             self.fence.copies_queued()
             if fed is not None:
                 batch.input_ids = fed.to(torch.long).contiguous()
+            if self.device.type == "cpu" and self.workers is None:
+                # Decode's few rows multiply through numpy: its threads go to OpenBLAS.
+                threads_for_step(numpy_projections(batch.num_tokens, self.model.dtype))
             logits = self._forward(host, batch, fed is not None)  # (rows, V), the model's dtype
         self.host_time_s += time.perf_counter() - t0
         self.num_steps += 1
