@@ -111,13 +111,16 @@ def test_a_streamed_named_call_is_assembled_by_the_openai_client(server):
 
     def streamed():
         with client.beta.chat.completions.stream(**request) as stream:
-            for _ in stream:
-                pass
-            return stream.get_final_completion()
+            events = [(e.type, getattr(e, "delta", None)) for e in stream]
+            return stream.get_final_completion(), events
 
     with ThreadPoolExecutor(2) as pool:  # batched together: one run's time
         plain = pool.submit(client.chat.completions.create, **request)
-        final = streamed()
+        final, events = streamed()
+    # The arguments came in fragments as the model wrote them, after the name.
+    kinds = [kind for kind, _ in events]
+    assert kinds.count("tool_calls.function.arguments.delta") >= 2, events
+    assert not [d for kind, d in events if kind == "content.delta" and d], events
     choice = final.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert not choice.message.content

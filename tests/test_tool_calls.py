@@ -13,6 +13,7 @@ import pytest
 from pagedllm.server.tool_calls import (
     HERMES,
     LLAMA3_JSON,
+    ForcedCallStream,
     ToolPlan,
     ToolStream,
     call_format,
@@ -116,9 +117,21 @@ def test_call_ids_are_openai_shaped_and_distinct():
 
 def _stream(pieces, names=None):
     s = ToolStream(names)
-    sent = [s.feed(p) for p in pieces]
-    content, calls = s.finish()
-    return sent, content, [(c.name, json.loads(c.arguments)) for c in calls]
+    fed = [s.feed(p) for p in pieces]
+    assert all(deltas == [] for _, deltas in fed)  # calls come out at the end
+    content, deltas = s.finish()
+    calls = [(c.name, json.loads(c.arguments)) for c in s.calls]
+    assert deltas == [d for k, c in enumerate(s.calls) for d in _deltas(k, c, [c.arguments])]
+    return [text for text, _ in fed], content, calls
+
+
+def _deltas(k, call, fragments):
+    """OpenAI's stream of one call: index, id, type and name, then the arguments."""
+    head = {"index": k, "id": call.id, "type": "function"}
+    head["function"] = {"name": call.name, "arguments": ""}
+    return [{"tool_calls": [head]}] + [
+        {"tool_calls": [{"index": k, "function": {"arguments": f}}]} for f in fragments
+    ]
 
 
 def test_stream_sends_plain_text_as_it_comes():
@@ -215,3 +228,31 @@ def test_forced_call_grammar_compiles_for_each_format(fmt):
     assert f'\\"name\\": \\"get_weather\\", \\"{key}\\": ' in grammar
     assert '"additionalProperties": false' in grammar  # closed, as a strict schema
     StructuredOutput(grammar=grammar)  # llguidance accepts it
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON])
+def test_a_forced_call_streams_its_name_then_its_arguments_as_they_come(fmt):
+    prefix, suffix = {
+        HERMES: ('<tool_call>\n{"name": "get_time", "arguments": ', "}\n</tool_call>"),
+        LLAMA3_JSON: ('{"name": "get_time", "parameters": ', "}"),
+    }[fmt]
+    text = prefix + '{"zone":"UTC"}' + suffix
+    cuts = [3, len(prefix) - 1, len(prefix) + 4, len(prefix) + 9, len(text) - 2, len(text)]
+    s = ForcedCallStream(["get", "get_time"], fmt)
+    fed = [s.feed(text[a:b]) for a, b in zip([0, *cuts], cuts)]
+    end = s.finish()
+    assert all(content == "" for content, _ in [*fed, end])
+    (call,) = s.calls
+    assert call.name == "get_time" and call.arguments == '{"zone":"UTC"}'
+    deltas = [d for _, ds in [*fed, end] for d in ds]
+    # No delta before the name is whole; the suffix never reaches the arguments.
+    assert fed[0][1] == [] and fed[1][1] == []
+    fragments = [d["tool_calls"][0]["function"]["arguments"] for d in deltas[1:]]
+    assert deltas == _deltas(0, call, fragments) and len(fragments) >= 2
+    assert "".join(fragments) == '{"zone":"UTC"}'
+
+
+def test_a_forced_call_cut_before_its_name_is_text():
+    s = ForcedCallStream(["f"], HERMES)
+    assert s.feed("<tool_ca") == ("", [])
+    assert s.finish() == ("<tool_ca", []) and s.calls == []

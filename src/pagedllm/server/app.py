@@ -57,7 +57,7 @@ from pagedllm.server.protocol import (
     TokenizeRequest,
 )
 from pagedllm.server.tokenize_pool import POOL_MIN_CHARS, TokenizePool
-from pagedllm.server.tool_calls import ToolPlan, ToolStream, parse_tool_calls, template_messages
+from pagedllm.server.tool_calls import ToolPlan, output_stream, template_messages
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_MAX_QUEUED = 1024  # requests waiting or running; past it, a 503 (not unbounded memory)
@@ -682,11 +682,13 @@ def build_app(
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 finish = _finish(out)
                 if tools is not None and tools.parses:
-                    content, calls = parse_tool_calls(text, tools.names)
+                    reader = output_stream(tools)
+                    content = reader.feed(text)[0] + reader.finish()[0]
+                    calls = reader.calls
                     if calls:
                         message = {
                             "role": "assistant",
-                            "content": content,
+                            "content": content or None,
                             "tool_calls": [c.as_openai() for c in calls],
                         }
                         finish = _tool_finish(finish)
@@ -746,8 +748,9 @@ def build_app(
             )
 
         # "auto", "required" or a named function: each choice's text goes through a
-        # ToolStream, which holds back what may be a call until the choice ends.
-        held = {j[0]: ToolStream(tools.names) for j in jobs} if tools and tools.parses else {}
+        # reader (tool_calls.output_stream) that holds back what may be a call and
+        # turns calls into tool-call deltas.
+        held = {j[0]: output_stream(tools) for j in jobs} if tools and tools.parses else {}
 
         def piece(index: int, out: StepOutput) -> dict[str, Any]:
             lp = None
@@ -756,39 +759,47 @@ def build_app(
                 lp = (_chat_logprobs if chat else _completion_logprobs)(out.new_token_ids, entries)
             finish = _finish(out) if out.finished else None
             if chat:
-                text = out.new_text
-                if index in held:
-                    text = held[index].feed(text)
-                delta = {"content": text} if text else {}
-                return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+                if index not in held:
+                    delta = {"content": out.new_text} if out.new_text else {}
+                    return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+                text, calls = held[index].feed(out.new_text)
+                return {"index": index, "delta": text, "calls": calls, "logprobs": lp}
             return {"index": index, "text": out.new_text, "logprobs": lp, "finish_reason": finish}
 
-        def tool_pieces(index: int, last: dict[str, Any]) -> list[dict[str, Any]]:
-            """The choice's last chunk(s) once its output is whole: the held text as
-            content, then each call as OpenAI streams one (index, id, type and name
-            with empty arguments, then the arguments), the finish reason on the last."""
-            content, calls = held[index].finish()
-            finish = last["finish_reason"]
-            if calls:
-                finish = _tool_finish(finish)
-            if content:
-                last["delta"] = {**last["delta"], "content": last["delta"].get("content", "")}
-                last["delta"]["content"] += content
-            pieces = [{**last, "finish_reason": None}] if last["delta"] or last["logprobs"] else []
-            for k, call in enumerate(calls):
-                head = {
-                    "index": k,
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": ""},
-                }
-                args = {"index": k, "function": {"arguments": call.arguments}}
-                for delta in ({"tool_calls": [head]}, {"tool_calls": [args]}):
-                    pieces.append(
-                        {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-                    )
-            end = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}
-            return [*pieces, end]
+        def tool_pieces(index: int, out: StepOutput, p: dict[str, Any]) -> list[dict[str, Any]]:
+            """A held choice's chunks for one output: its content (held back where
+            it may be a call) and its tool-call deltas as OpenAI streams them (the
+            index, id and name first, then fragments of the arguments); at its end,
+            what was held and finish_reason "tool_calls" when it called."""
+            reader = held[index]
+            text, deltas = p["delta"], list(p["calls"])
+            finish = None
+            if out.finished:
+                rest, more = reader.finish()
+                text, deltas = text + rest, deltas + more
+                finish = _finish(out)
+                if reader.calls:
+                    finish = _tool_finish(finish)
+            pieces = []
+            if text or p["logprobs"]:
+                delta = {"content": text} if text else {}
+                pieces.append(
+                    {
+                        "index": index,
+                        "delta": delta,
+                        "logprobs": p["logprobs"],
+                        "finish_reason": None,
+                    }
+                )
+            for delta in deltas:
+                pieces.append(
+                    {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+                )
+            if finish is not None:
+                pieces.append(
+                    {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}
+                )
+            return pieces
 
         completion_tokens = 0
         indices = [j[0] for j in jobs]
@@ -801,10 +812,10 @@ def build_app(
                 usage[1] = completion_tokens
                 if out.new_text or out.finished:
                     p = piece(index, out)
-                    if out.finished and index in held:
-                        for q in tool_pieces(index, p):
+                    if chat and index in held:
+                        for q in tool_pieces(index, out, p):
                             yield chunk([q])
-                    elif not chat or p["delta"] or out.finished or p["logprobs"]:
+                    else:
                         yield chunk([p])
             if body.include_usage:
                 prompt_tokens = sum(

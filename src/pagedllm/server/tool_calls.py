@@ -18,7 +18,7 @@ import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
@@ -64,6 +64,7 @@ class ToolPlan:
     template: str | None
     constraint: Any = None  # a StructuredOutput
     names: set[str] | None = None
+    forced: list[str] = field(default_factory=list)  # the names a forced call may take
 
     @classmethod
     def build(
@@ -79,6 +80,7 @@ class ToolPlan:
         if forced:
             from pagedllm.structured import StructuredOutput
 
+            plan.forced = [t["name"] for t in forced]
             plan.constraint = StructuredOutput(grammar=call_grammar(forced, plan.fmt))
         return plan
 
@@ -206,6 +208,14 @@ def _loads(arguments: Any) -> Any:
 # ------------------------------------------------------------ forcing a call
 
 
+def call_affixes(name: str, fmt: str) -> tuple[str, str]:
+    """The fixed text before and after a forced call's arguments."""
+    if fmt == LLAMA3_JSON:
+        return f'{{"name": {json.dumps(name, ensure_ascii=False)}, "parameters": ', "}"
+    head = f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+    return f"{TOOL_CALL_OPEN}\n{head}", f"}}\n{TOOL_CALL_CLOSE}"
+
+
 def call_grammar(tools: Sequence[Mapping[str, Any]], fmt: str) -> str:
     """A Lark grammar (llguidance's dialect) for exactly one call to one of `tools`
     (each `{"name", "parameters"}`), written as the format writes it: the name
@@ -220,16 +230,11 @@ def call_grammar(tools: Sequence[Mapping[str, Any]], fmt: str) -> str:
         # invent keys forever).
         schema = dict(_strict(tool.get("parameters") or {"type": "object", "properties": {}}))
         schema["x-guidance"] = {"whitespace_flexible": False}
-        key = "parameters" if fmt == LLAMA3_JSON else "arguments"
-        head = f'{{"name": {json.dumps(tool["name"], ensure_ascii=False)}, "{key}": '
-        if fmt == LLAMA3_JSON:
-            rule = f"call_{i}: {json.dumps(head)} args_{i} " + '"}"'
-        else:
-            rule = (
-                f"call_{i}: {json.dumps(TOOL_CALL_OPEN + chr(10) + head)} args_{i} "
-                + json.dumps("}\n" + TOOL_CALL_CLOSE)
-            )
-        rules += [rule, f"args_{i}: %json {json.dumps(schema)}"]
+        prefix, suffix = call_affixes(tool["name"], fmt)
+        rules += [
+            f"call_{i}: {json.dumps(prefix)} args_{i} {json.dumps(suffix)}",
+            f"args_{i}: %json {json.dumps(schema)}",
+        ]
         names.append(f"call_{i}")
     return "start: " + " | ".join(names) + "\n" + "\n".join(rules)
 
@@ -314,25 +319,45 @@ def _call(body: str, names: set[str] | None) -> ToolCall | None:
     return ToolCall(data["name"], json.dumps(args, ensure_ascii=False))
 
 
+def head_delta(k: int, call: ToolCall) -> dict[str, Any]:
+    """A streamed call's first delta: its index, id and name, no arguments yet."""
+    return {
+        "tool_calls": [
+            {
+                "index": k,
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": ""},
+            }
+        ]
+    }
+
+
+def args_delta(k: int, fragment: str) -> dict[str, Any]:
+    return {"tool_calls": [{"index": k, "function": {"arguments": fragment}}]}
+
+
 class ToolStream:
-    """The streaming side of "auto": feed each new text; get back what may be sent
-    as content now. Text from the first place a call may begin (a `<tool_call>`
-    tag or a prefix of one at the end, or an output that so far is only
-    whitespace, `<|python_tag|>` or JSON's opening brace) is held back until
-    `finish`, which parses the whole output."""
+    """The streaming side of "auto": `feed` each new text, get back (content to
+    send now, tool-call deltas); text from the first place a call may begin (a
+    `<tool_call>` tag or a prefix of one at the end, or an output that so far
+    is only whitespace, `<|python_tag|>` or JSON's opening brace) is held back
+    until `finish`, which parses it and returns the rest of the content and each
+    call's deltas (head, then its arguments). After `finish`: `calls`."""
 
     def __init__(self, names: set[str] | None) -> None:
         self.names = names
         self.text = ""
         self.sent = 0  # characters of `text` already sent as content
+        self.calls: list[ToolCall] = []
 
-    def feed(self, new: str) -> str:
+    def feed(self, new: str) -> tuple[str, list[dict[str, Any]]]:
         self.text += new
         safe = self._safe_end()
         if safe <= self.sent:
-            return ""
+            return "", []
         out, self.sent = self.text[self.sent : safe], safe
-        return out
+        return out, []
 
     def _safe_end(self) -> int:
         text = self.text
@@ -349,10 +374,63 @@ class ToolStream:
                 return len(text) - k
         return len(text)
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(content not sent yet, calls) once the output is whole."""
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
         held = self.text[self.sent :]
-        if not self.names and self.names is not None:
+        content, self.calls = parse_tool_calls(held, self.names)
+        if not self.calls:
             return held, []
-        content, calls = parse_tool_calls(held, self.names)
-        return (content or "") if calls else held, calls
+        deltas = []
+        for k, call in enumerate(self.calls):
+            deltas += [head_delta(k, call), args_delta(k, call.arguments)]
+        return content or "", deltas
+
+
+class ForcedCallStream:
+    """The streaming side of a forced call ("required", a named function): the
+    grammar fixes the text around the arguments, so the call's name is known
+    once its prefix is written, and the arguments stream as they come (all but
+    the last characters, which may be the fixed suffix). Same interface as
+    ToolStream; `calls` holds the call once its prefix is in, its arguments
+    as the model wrote them (compact JSON)."""
+
+    def __init__(self, names: Sequence[str], fmt: str) -> None:
+        self.prefixes = {call_affixes(n, fmt)[0]: n for n in names}
+        self.suffix = call_affixes("", fmt)[1]  # the same for every name
+        self.text = ""
+        self.start = 0  # where the arguments begin in `text`
+        self.sent = 0  # where the arguments sent so far end
+        self.calls: list[ToolCall] = []
+
+    def feed(self, new: str) -> tuple[str, list[dict[str, Any]]]:
+        self.text += new
+        deltas = []
+        if not self.calls:
+            found = next(
+                ((p, n) for p, n in self.prefixes.items() if self.text.startswith(p)), None
+            )
+            if found is None:
+                return "", []
+            self.calls.append(ToolCall(found[1], ""))
+            self.start = self.sent = len(found[0])
+            deltas.append(head_delta(0, self.calls[0]))
+        return "", deltas + self._args(max(len(self.text) - len(self.suffix), self.sent))
+
+    def _args(self, end: int) -> list[dict[str, Any]]:
+        if end <= self.sent:
+            return []
+        fragment, self.sent = self.text[self.sent : end], end
+        self.calls[0].arguments += fragment
+        return [args_delta(0, fragment)]
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        if not self.calls:  # cut short before the name was written: the text as it is
+            return self.text, []
+        end = len(self.text) - len(self.suffix) if self.text.endswith(self.suffix) else None
+        return "", self._args(len(self.text) if end is None else end)
+
+
+def output_stream(plan: ToolPlan) -> ToolStream | ForcedCallStream:
+    """The stream that reads one choice's output under `plan`."""
+    if plan.forced:
+        return ForcedCallStream(plan.forced, plan.fmt)
+    return ToolStream(plan.names)
