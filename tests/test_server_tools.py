@@ -199,3 +199,36 @@ def test_bad_tools_are_400_naming_the_field(server, extra, param):
     error = e.value.body
     assert "\n" not in error["message"]
     assert error["param"] == param, error
+
+
+def test_auto_streamed_and_not_give_the_same_message(server):
+    """ "auto" parses whatever the model writes (the parser on fixed outputs:
+    tests/test_tool_calls.py); a stream, which holds back what may be a call,
+    assembles to the same message as the plain reply (greedy, batched together)."""
+    client = server.client()
+    request = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=24, temperature=0)
+
+    def streamed():  # the deltas accumulated by hand (the helper refuses "length")
+        content, calls, finish = "", {}, None
+        for chunk in client.chat.completions.create(stream=True, **request):
+            choice = chunk.choices[0]
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": d.id, "name": None, "arguments": ""})
+                call["name"] = call["name"] or d.function.name
+                call["arguments"] += d.function.arguments or ""
+            finish = choice.finish_reason or finish
+        return content, [calls[k] for k in sorted(calls)], finish
+
+    with ThreadPoolExecutor(2) as pool:
+        plain = pool.submit(client.chat.completions.create, **request)
+        s = streamed()
+    p = plain.result().choices[0]
+    content, calls, finish = s
+    assert p.finish_reason == finish
+    assert (p.message.content or "") == content
+    assert [(c.function.name, c.function.arguments) for c in p.message.tool_calls or []] == [
+        (c["name"], c["arguments"]) for c in calls
+    ]
+    assert content or calls
+    assert all(c["id"].startswith("call_") and c["name"] in SCHEMAS for c in calls)
