@@ -763,7 +763,8 @@ def build_app(
                     delta = {"content": out.new_text} if out.new_text else {}
                     return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
                 text, calls = held[index].feed(out.new_text)
-                return {"index": index, "delta": text, "calls": calls, "logprobs": lp}
+                # Not a chunk yet: tool_pieces makes the chunks of it.
+                return {"index": index, "content": text, "calls": calls, "logprobs": lp}
             return {"index": index, "text": out.new_text, "logprobs": lp, "finish_reason": finish}
 
         def tool_pieces(index: int, out: StepOutput, p: dict[str, Any]) -> list[dict[str, Any]]:
@@ -772,7 +773,7 @@ def build_app(
             index, id and name first, then fragments of the arguments); at its end,
             what was held and finish_reason "tool_calls" when it called."""
             reader = held[index]
-            text, deltas = p["delta"], list(p["calls"])
+            text, deltas = p["content"], list(p["calls"])
             finish = None
             if out.finished:
                 rest, more = reader.finish()
