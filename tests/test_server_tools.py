@@ -10,6 +10,8 @@ format is tests/test_tool_calls.py.
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -232,3 +234,29 @@ def test_auto_streamed_and_not_give_the_same_message(server):
     ]
     assert content or calls
     assert all(c["id"].startswith("call_") and c["name"] in SCHEMAS for c in calls)
+
+
+def _tokenize(server, body) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        server.url + "/tokenize",
+        json.dumps(body).encode(),
+        {"content-type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_tokenize_renders_the_tools_as_chat_completions_does(server):
+    r = server.client().chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=1
+    )
+    status, tokenized = _tokenize(server, {"messages": ASK, "tools": [WEATHER]})
+    assert status == 200 and tokenized["count"] == r.usage.prompt_tokens
+    assert _tokenize(server, {"messages": ASK})[1]["count"] < tokenized["count"]
+    status, error = _tokenize(
+        server, {"messages": ASK, "tools": [{"type": "function", "function": {}}]}
+    )
+    assert status == 400 and error["error"]["param"] == "tools.0.function.name"

@@ -55,6 +55,7 @@ from pagedllm.server.protocol import (
     DetokenizeRequest,
     FieldError,
     TokenizeRequest,
+    check_tools,
 )
 from pagedllm.server.tokenize_pool import POOL_MIN_CHARS, TokenizePool
 from pagedllm.server.tool_calls import ToolPlan, output_stream, template_messages
@@ -405,7 +406,11 @@ def build_app(
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         tok = _need_tokenizer()
         if body.messages is not None:
-            ids = await _chat_ids(tok, body.messages, None)
+            try:
+                plan = check_tools(body.tools, None, tok.chat_template)
+            except FieldError as e:
+                raise APIError(400, str(e), "invalid_request_error", e.param) from None
+            ids = await _chat_ids(tok, body.messages, plan)
         else:
             ids = (await _encode_texts([body.prompt or ""], body.add_special_tokens))[0]
         return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}

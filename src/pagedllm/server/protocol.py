@@ -294,6 +294,58 @@ class FieldError(ValueError):
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
+def check_tools(
+    tools: list[Tool] | None, tool_choice: str | NamedToolChoice | None, template: str | None
+) -> Any:
+    """`tools` and `tool_choice` checked (FieldError naming the field), as a
+    `tool_calls.ToolPlan` for the model's chat template. Without tools, a plan
+    that parses nothing (tool_choice "none")."""
+    from pagedllm.server import tool_calls
+    from pagedllm.structured import StructuredOutput
+
+    tools = tools or []
+    choice = tool_choice
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if not tools and choice != "none":
+        raise FieldError("tool_choice", "needs tools: give the functions the model may call")
+    seen: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        f = tool.function
+        where = f"tools.{i}.function"
+        if not f.name:
+            raise FieldError(f"{where}.name", "a function tool needs a name")
+        if not _FUNCTION_NAME.fullmatch(f.name):
+            raise FieldError(
+                f"{where}.name",
+                f"{f.name[:70]!r} is not a function name: use 1 to 64 letters, digits, '_' or '-'",
+            )
+        if f.name in seen:
+            raise FieldError(f"{where}.name", f"two tools are named {f.name!r}")
+        if f.parameters is not None:
+            try:
+                StructuredOutput(json=f.parameters)
+            except ValueError as e:
+                raise FieldError(f"{where}.parameters", str(e)) from None
+        seen[f.name] = {"name": f.name, "parameters": f.parameters}
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in seen:
+            raise FieldError(
+                "tool_choice.function.name",
+                f"no tool is named {choice.function.name[:70]!r}; name one of {', '.join(seen)}",
+            )
+        forced = [seen[choice.function.name]]
+    else:
+        forced = list(seen.values()) if choice == "required" else []
+    plan = tool_calls.ToolPlan.build(
+        [t.model_dump(exclude_none=True) for t in tools],
+        choice if isinstance(choice, str) else choice.function.name,
+        forced,
+        template,
+    )
+    return plan
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -305,56 +357,9 @@ class ChatCompletionRequest(_Sampling):
     _tool_plan: Any = PrivateAttr(default=None)
 
     def tool_plan(self, template: str | None) -> Any:
-        """The request's tools checked (FieldError naming the field), as a
-        `tool_calls.ToolPlan` for the model's chat template; kept for
-        `structured()`. Without tools, a plan that parses nothing (tool_choice "none")."""
-        from pagedllm.server import tool_calls
-        from pagedllm.structured import StructuredOutput
-
-        tools = self.tools or []
-        choice = self.tool_choice
-        if choice is None:
-            choice = "auto" if tools else "none"
-        if not tools and choice != "none":
-            raise FieldError("tool_choice", "needs tools: give the functions the model may call")
-        seen: dict[str, dict[str, Any]] = {}
-        for i, tool in enumerate(tools):
-            f = tool.function
-            where = f"tools.{i}.function"
-            if not f.name:
-                raise FieldError(f"{where}.name", "a function tool needs a name")
-            if not _FUNCTION_NAME.fullmatch(f.name):
-                raise FieldError(
-                    f"{where}.name",
-                    f"{f.name[:70]!r} is not a function name: use 1 to 64 letters, "
-                    "digits, '_' or '-'",
-                )
-            if f.name in seen:
-                raise FieldError(f"{where}.name", f"two tools are named {f.name!r}")
-            if f.parameters is not None:
-                try:
-                    StructuredOutput(json=f.parameters)
-                except ValueError as e:
-                    raise FieldError(f"{where}.parameters", str(e)) from None
-            seen[f.name] = {"name": f.name, "parameters": f.parameters}
-        if isinstance(choice, NamedToolChoice):
-            if choice.function.name not in seen:
-                raise FieldError(
-                    "tool_choice.function.name",
-                    f"no tool is named {choice.function.name[:70]!r}; name one of "
-                    f"{', '.join(seen)}",
-                )
-            forced = [seen[choice.function.name]]
-        else:
-            forced = list(seen.values()) if choice == "required" else []
-        plan = tool_calls.ToolPlan.build(
-            [t.model_dump(exclude_none=True) for t in tools],
-            choice if isinstance(choice, str) else choice.function.name,
-            forced,
-            template,
-        )
-        self._tool_plan = plan
-        return plan
+        """The request's tools checked (`check_tools`), kept for `structured()`."""
+        self._tool_plan = check_tools(self.tools, self.tool_choice, template)
+        return self._tool_plan
 
     def structured(self) -> Any:
         """A forced tool call's constraint, or the response_format's (not both)."""
@@ -395,6 +400,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: Text | None = None
     messages: list[Message] | None = Field(default=None, min_length=1)
+    tools: list[Tool] | None = None  # rendered with the messages, as chat completions does
     add_special_tokens: bool = True
 
 
