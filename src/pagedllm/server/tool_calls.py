@@ -7,9 +7,11 @@ allowed; "llama3_json": Llama 3.1's bare `{"name": ..., "parameters": ...}`,
 possibly after `<|python_tag|>`), the system prompt that teaches the tools to
 a model whose template ignores them, the rewriting of `tool_calls`/`tool`
 messages for such a template, the StructuredOutput for "required" and a named
-function, the parser for "auto", and the streaming hold-back (text that may be
-the start of a call is not sent as content). Does not own: the request's
-fields (protocol.py) or the HTTP shapes (app.py).
+function, the parser for "auto", and reading an output as it streams (text
+that may be the start of a call is not sent as content; a call becomes
+OpenAI's tool-call deltas, a forced call's arguments in fragments as they
+come). Does not own: the request's fields and their checks (protocol.py) or
+the HTTP shapes (app.py).
 """
 
 from __future__ import annotations
@@ -397,7 +399,6 @@ class ForcedCallStream:
         self.prefixes = {call_affixes(n, fmt)[0]: n for n in names}
         self.suffix = call_affixes("", fmt)[1]  # the same for every name
         self.text = ""
-        self.start = 0  # where the arguments begin in `text`
         self.sent = 0  # where the arguments sent so far end
         self.calls: list[ToolCall] = []
 
@@ -411,7 +412,7 @@ class ForcedCallStream:
             if found is None:
                 return "", []
             self.calls.append(ToolCall(found[1], ""))
-            self.start = self.sent = len(found[0])
+            self.sent = len(found[0])  # the arguments begin after the prefix
             deltas.append(head_delta(0, self.calls[0]))
         return "", deltas + self._args(max(len(self.text) - len(self.suffix), self.sent))
 
