@@ -14,9 +14,13 @@ of one step (aten ops recorded by torch.profiler, numpy's matmuls added) times
 the measured cost of one tiny op.
 
     .venv/bin/python scripts/profile_cpu_decode.py [--threads 1] [--steps 64]
+    /tmp/llamacpp-venv/bin/python scripts/profile_cpu_decode.py --llamacpp GGUF --threads 2
 
 With --threads 2 a decode step runs torch on 1 thread and numpy's OpenBLAS on 2
-(`cpu_threads.threads_for_step`). The last line is JSON.
+(`cpu_threads.threads_for_step`). `--llamacpp GGUF`: llama.cpp's prefill time
+and decode tokens/s of the same workload instead (128-token prompt, 512 greedy
+tokens: `--prompt-len`, `--new-tokens`), under a venv with llama-cpp-python
+(scripts/llamacpp_reference.py says how to make one). The last line is JSON.
 """
 
 from __future__ import annotations
@@ -28,7 +32,40 @@ import time
 from collections import Counter
 
 import numpy as np
-import torch
+
+
+def llamacpp_decode(model: str, threads: int, prompt_len: int, new_tokens: int) -> dict:
+    """llama.cpp's batch-1 figures for the same workload (run this script under
+    the venv that has llama-cpp-python, with --llamacpp MODEL): prompt ids
+    100..100+prompt_len, greedy, EOS never sampled (its logit masked)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(
+        model_path=model,
+        n_ctx=prompt_len + new_tokens + 8,
+        n_batch=prompt_len + new_tokens + 8,  # llm.scores holds n_batch rows
+        n_threads=threads,
+        verbose=False,
+    )
+    eos = llm.token_eos()
+    ids = list(range(100, 100 + prompt_len))
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    ttft = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(new_tokens):
+        scores = llm.scores[llm.n_tokens - 1]
+        scores[eos] = -np.inf
+        llm.eval([int(np.argmax(scores))])
+    decode = time.perf_counter() - t0
+    return {
+        "engine": "llama.cpp",
+        "version": llama_cpp.__version__,
+        "threads": threads,
+        "load": os.getloadavg()[0],
+        "prefill_ms": round(ttft * 1e3, 1),
+        "decode_tok_s": round(new_tokens / decode, 1),
+    }
 
 
 def bandwidth_gbps(mib: int = 512, reps: int = 5) -> dict[str, float]:
@@ -52,6 +89,8 @@ def bandwidth_gbps(mib: int = 512, reps: int = 5) -> dict[str, float]:
 
 def tiny_op_us(reps: int = 20000) -> float:
     """The cost of one tiny aten op (an add of two 8-element tensors), microseconds."""
+    import torch
+
     x = torch.ones(8)
     with torch.inference_mode():
         for _ in range(1000):
@@ -67,7 +106,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--llamacpp", metavar="GGUF", help="time llama.cpp instead (its own venv)")
+    ap.add_argument("--new-tokens", type=int, default=512, help="with --llamacpp")
     args = ap.parse_args()
+    if args.llamacpp:
+        row = llamacpp_decode(args.llamacpp, args.threads or 1, args.prompt_len, args.new_tokens)
+        print(json.dumps(row))
+        return
+
+    import torch
 
     from pagedllm import LLM, SamplingParams, cpu_threads
     from pagedllm.cpu_threads import apply_thread_policy

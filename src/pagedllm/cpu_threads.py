@@ -61,7 +61,10 @@ switch costs two calls when the kind of step changes, nothing otherwise.
 Measured (SmolLM2 float32, 2026-12-04, load 1.7-1.9 from other processes,
 scripts/profile_cpu_decode.py): 36.2 ms a step with 1 thread, 34.0 with 2.
 The default stays 1 thread on 2 cores (above): beside a busy process, two
-spinning threads of any pool collapse.
+spinning threads of any pool collapse. `OMP_WAIT_POLICY` is left unset
+(PASSIVE's cost is in the table above) and no thread is pinned to a core
+(pinned to one core with taskset, a 1-thread step took 37-42 ms against 40-41
+unpinned: no clear gain; docs/benchmarks.md, issue 38).
 
 An explicit `threads` always wins, and stays chosen: a later call with
 `threads=None` (the engine's own, after the CLI's `--threads N`) keeps it.
