@@ -115,3 +115,17 @@ def test_engine_switches_pools_per_step_and_keeps_greedy_tokens(tmp_path, two_th
     for _ in range(6):  # the float32 reference: whole sequence, no cache
         ids.append(int(model.forward_logits(ids)[-1].argmax()))
     assert out[0].token_ids == ids[len(prompt) :]
+
+
+@pytest.mark.slow  # ~9 s: the reference loop re-reads the whole sequence every token
+def test_default_model_greedy_tokens_with_two_threads_equal_the_reference(smollm2, two_threads):
+    """SmolLM2 (the default model, float32): 12 greedy tokens decoded by the engine,
+    batch-1 attention path and OpenBLAS on 2 threads, equal the reference loop's."""
+    llm = LLM(model=smollm2, kv_cache_mib=16)
+    cpu_threads._applied, cpu_threads._step_mode = 2, None  # the engine applied its policy
+    prompt = [1, 504, 3458, 282, 4649, 314]  # six ids of its vocabulary
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    ids = list(prompt)
+    for _ in range(12):
+        ids.append(int(smollm2.forward_logits(ids)[-1].argmax()))
+    assert out[0].token_ids == ids[len(prompt) :]
