@@ -118,9 +118,13 @@ def main() -> None:
 
     from pagedllm import LLM, SamplingParams, cpu_threads
     from pagedllm.cpu_threads import apply_thread_policy
+    from pagedllm.model import cpu_blas
     from pagedllm.model import linear as linear_mod
 
     threads = apply_thread_policy(args.threads)
+    # The read bandwidth with as many OpenBLAS threads as a decode step gets.
+    cpu_blas.numpy_matmul_ok()
+    cpu_blas.set_blas_threads(threads)
     bw = bandwidth_gbps()
     op_us = tiny_op_us()
     llm = LLM(device="cpu", threads=threads)
