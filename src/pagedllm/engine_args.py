@@ -183,7 +183,7 @@ _FLAGS: dict[str, _Flag] = {
     "max_num_seqs": _Flag("most requests running at once", positive_int, "N"),
     "max_num_batched_tokens": _Flag("token budget of one step", positive_int, "N"),
     "threads": _Flag(
-        "torch CPU threads, at most the usable cores",
+        "CPU threads, at most the usable cores (prefill: torch's; decode: OpenBLAS's)",
         thread_count,
         "N",
         unset=cpu_threads.POLICY_SUMMARY,
