@@ -260,6 +260,9 @@ class LLMEngine:
         self.tokenizer_loader: Callable[[], Tokenizer | None] | None = None
         self._constraints: ConstraintCompiler | None = None
         self._compiling: list[tuple[Request, Future]] = []
+        # The admitted requests with a matcher, until they finish: while there are
+        # none, a step does no constrained-decoding work at all (no per-row scans).
+        self._constrained: list[Request] = []
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent). An engine of one
@@ -369,6 +372,7 @@ class LLMEngine:
                     req.matcher = fut.result().matcher()
                     try:
                         self.scheduler.add_request(req)
+                        self._constrained.append(req)
                         continue
                     except RequestRejected as e:
                         error = e
@@ -468,6 +472,9 @@ class LLMEngine:
         step's results are read, so the GPU runs it while the host does this
         step's bookkeeping; the successor is collected by the next `_step`."""
         launched = plan = successor = None
+        if self._constrained:  # forget the finished; the runner masks while any is left
+            self._constrained = [r for r in self._constrained if not r.is_finished]
+        self.runner.masking = bool(self._constrained)
         try:
             launched, self._inflight = self._inflight, None
             plan = launched.plan if launched is not None else None
@@ -487,7 +494,7 @@ class LLMEngine:
                     self.scheduler.name_pages(plan)
             # A constrained request's next mask needs this step's token: no step is
             # queued ahead while one runs.
-            if self.async_scheduling and not any(r.matcher for r in plan.scheduled):
+            if self.async_scheduling and not self._constrained:
                 with deferred_interrupts():
                     successor = self.scheduler.schedule_continuation(plan)
                 if successor is not None:
@@ -512,7 +519,8 @@ class LLMEngine:
             # 3. Bookkeeping: advance computed tokens, append samples, token-level stops.
             self._record_prompt_logprobs(result)
             updates = self.scheduler.update(plan, result.sampled_token_ids)
-            self._advance_matchers(plan.scheduled, result.sampled_token_ids)
+            if self._constrained:
+                self._advance_matchers(plan.scheduled, result.sampled_token_ids)
             # 4. Detokenize, check stop strings, report.
             self._pending += self.process(updates, plan.scheduled, result)
             self._drop_finished_inflight()

@@ -362,6 +362,8 @@ class ModelRunner:
                 self.fence,
             )
         self._bitmask = None  # constrained decoding's (max_num_seqs, words) host buffer
+        # Whether any running request has a constraint (set by the engine each step).
+        self.masking = False
         self.host_time_s = 0.0  # time spent building batches and launching, on the host
         self.num_steps = 0
 
@@ -565,9 +567,10 @@ class ModelRunner:
             last_rows = _last_rows(host.cu_seqlens, full)
             logits = logits[self._index([last_rows[i] for i in done])]
         done_reqs = [reqs[i] for i in done] if len(done) < len(reqs) else list(reqs)
-        constrained = [(j, r.matcher) for j, r in enumerate(done_reqs) if r.matcher is not None]
-        if constrained:  # the forward pass is queued: the masks are made while it runs
-            logits = self._mask(logits, constrained)
+        if self.masking:  # some request has a constraint (the engine says; else no scan)
+            constrained = [(j, r.matcher) for j, r in enumerate(done_reqs) if r.matcher]
+            if constrained:  # the forward pass is queued: the masks are made while it runs
+                logits = self._mask(logits, constrained)
         generators = None
         if any(r.sampling_params.seed is not None for r in done_reqs):
             generators = [self._generator(r) for r in done_reqs]
