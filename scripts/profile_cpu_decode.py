@@ -106,6 +106,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument(
+        "--dtype", default=None, help="float32: the dequantized path (default: packed weights)"
+    )
     ap.add_argument("--llamacpp", metavar="GGUF", help="time llama.cpp instead (its own venv)")
     ap.add_argument("--new-tokens", type=int, default=512, help="with --llamacpp")
     args = ap.parse_args()
@@ -118,7 +121,7 @@ def main() -> None:
 
     from pagedllm import LLM, SamplingParams, cpu_threads
     from pagedllm.cpu_threads import apply_thread_policy
-    from pagedllm.model import cpu_blas
+    from pagedllm.model import cpu_blas, cpu_packed
     from pagedllm.model import linear as linear_mod
 
     threads = apply_thread_policy(args.threads)
@@ -127,7 +130,7 @@ def main() -> None:
     cpu_blas.set_blas_threads(threads)
     bw = bandwidth_gbps()
     op_us = tiny_op_us()
-    llm = LLM(device="cpu", threads=threads)
+    llm = LLM(device="cpu", threads=threads, dtype=args.dtype)
     eng = llm.engine
     model = eng.runner.model
     weight_bytes = (
@@ -148,14 +151,27 @@ def main() -> None:
 
     # Time the parts by wrapping them (a wrapper costs ~0.3 us a call: negligible).
     spent: Counter[str] = Counter()
-    orig_call = linear_mod.Linear.__call__
+    matrix_types = (linear_mod.Linear, cpu_packed.PackedLinear, cpu_packed.Fp16Head)
+    originals = {cls: cls.__call__ for cls in matrix_types}
+
+    def patch(make) -> None:
+        for cls, call in originals.items():
+            cls.__call__ = make(call)
+
+    def unpatch() -> None:
+        for cls, call in originals.items():
+            cls.__call__ = call
+
     orig_forward = model.forward
 
-    def timed_linear(self, *a, **k):
-        t = time.perf_counter()
-        out = orig_call(self, *a, **k)
-        spent["projections"] += time.perf_counter() - t
-        return out
+    def timed(call):
+        def timed_linear(self, *a, **k):
+            t = time.perf_counter()
+            out = call(self, *a, **k)
+            spent["projections"] += time.perf_counter() - t
+            return out
+
+        return timed_linear
 
     def timed_forward(*a, **k):
         t = time.perf_counter()
@@ -163,7 +179,7 @@ def main() -> None:
         spent["forward"] += time.perf_counter() - t
         return out
 
-    linear_mod.Linear.__call__ = timed_linear
+    patch(timed)
     model.forward = timed_forward
     orig_logits = model.compute_logits
 
@@ -178,22 +194,25 @@ def main() -> None:
     for _ in range(args.steps):
         eng.step()
     step_ms = (time.perf_counter() - t0) / args.steps * 1e3
-    linear_mod.Linear.__call__ = orig_call
+    unpatch()
     model.forward, model.compute_logits = orig_forward, orig_logits
     per = {k: v / args.steps * 1e3 for k, v in spent.items()}
 
     # The op count of one step: aten ops under the profiler, numpy matmuls counted apart.
     matmuls = 0
 
-    def counting_linear(self, *a, **k):
-        nonlocal matmuls
-        matmuls += 1
-        return orig_call(self, *a, **k)
+    def counting(call):
+        def counting_linear(self, *a, **k):
+            nonlocal matmuls
+            matmuls += 1
+            return call(self, *a, **k)
 
-    linear_mod.Linear.__call__ = counting_linear
+        return counting_linear
+
+    patch(counting)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         eng.step()
-    linear_mod.Linear.__call__ = orig_call
+    unpatch()
     # Top-level ops only (an aten op's own children are part of its dispatch).
     events = [e for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
     top_ops = len(events)
@@ -205,7 +224,10 @@ def main() -> None:
     floor_ms = weight_bytes / (bw["read_gbps"] * 1e9) * 1e3
     row = {
         "threads": threads,
-        "torch_openblas_threads_in_decode": list(cpu_threads.threads_for_step(True)),
+        "weights": "packed" if getattr(model, "packed", False) else "float32",
+        "torch_openblas_threads_in_decode": list(
+            cpu_threads.threads_for_step(not getattr(model, "packed", False))
+        ),
         "nproc": os.cpu_count(),
         "load": os.getloadavg()[0],
         "read_gbps": round(bw["read_gbps"], 1),

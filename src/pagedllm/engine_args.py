@@ -143,7 +143,9 @@ _FLAGS: dict[str, _Flag] = {
         "cpu or cuda (or cuda:N)", device_name, unset="cuda when available", group="model"
     ),
     "dtype": _Flag(
-        "float32, bfloat16 or float16",
+        "float32, bfloat16 or float16. On the CPU, unset keeps a GGUF's quantized "
+        "weights packed (int4 or int8, multiplied in bfloat16; activations float32); "
+        "float32 dequantizes them as they load: the exact reference path",
         dtype_name,
         unset="float32 on CPU, bfloat16 on CUDA",
         group="model",

@@ -110,19 +110,14 @@ def _sync(device: torch.device) -> None:
 def weight_bytes_per_decode_step(model: LlamaModel) -> int:
     """Bytes of weights one decode step reads: every matrix and norm once, plus one
     embedding row (the embedding table is read in full only as a tied LM head)."""
-    seen: set[int] = set()
-    total = 0
-    tensors = [model.norm, model.lm_head.weight]
+    # Each matrix as it is held (`nbytes`: an FP8 one's float8 values and scales, a
+    # packed CPU one's packed values); a tied LM head is read as the head only.
+    total = model.lm_head.nbytes + model.norm.nbytes
     for layer in model.layers:
-        tensors += [layer.input_norm, layer.post_norm]
+        total += layer.input_norm.nbytes + layer.post_norm.nbytes
         for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-            # An FP8 projection (Fp8Linear) reads its float8 matrix and its scales.
-            tensors += [m.qweight, m.scale] if hasattr(m, "qweight") else [m.weight]
-    for t in tensors:
-        if t.data_ptr() not in seen:  # a tied LM head is the embedding table: count it once
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total + model.embed_tokens.shape[1] * model.embed_tokens.element_size()
+            total += m.nbytes
+    return int(total + model.embed_tokens.shape[1] * model.embed_tokens.element_size())
 
 
 def decode_bytes_per_token(

@@ -31,6 +31,13 @@ import torch
 
 from pagedllm.config import ModelConfig
 from pagedllm.engine_config import QUANTIZATIONS
+from pagedllm.model.cpu_packed import (
+    Fp16Head,
+    PackedEmbedding,
+    PackedLinear,
+    pack_head,
+    pack_matrix,
+)
 from pagedllm.model.linear import Fp8Linear, Linear
 from pagedllm.model.llama import LayerWeights, LlamaModel
 from pagedllm.model.parallel import (
@@ -49,6 +56,7 @@ from pagedllm.weights.fp8 import (
     random_fp8,
     take_fp8_weights,
 )
+from pagedllm.weights.gguf_blocks import GgufBlocks
 
 _DTYPES = {
     "float32": torch.float32,
@@ -146,6 +154,10 @@ def load_model(
     checkpoint's stay FP8 on CUDA) or "fp8" (a float checkpoint's projections
     are quantized as they load; see the module docstring and `build_model`).
 
+    On the CPU with `dtype` None, a GGUF's quantized projections, embeddings and
+    head stay packed (`keep_gguf_packed`, `model/cpu_packed.py`); `dtype="float32"`
+    dequantizes them (the exact path the tests compare with).
+
     `max_model_len`: the longest sequence the caller will run; the RoPE table is
     built for min(max_position_embeddings, max_model_len) positions (all of the
     model's positions when None).
@@ -168,8 +180,13 @@ def load_model(
     if is_gguf(model_path):
         from pagedllm.weights import load_gguf_state_dict
 
+        packed = keep_gguf_packed(dev, dtype, tp, quantization)
         metadata, state = load_gguf_state_dict(
-            model_path, device="cpu", dtype=torch.float32, select=select
+            model_path,
+            device="cpu",
+            dtype=torch.float32,
+            select=select,
+            keep_quantized=_keep_packable if packed else None,
         )
         config = ModelConfig.from_gguf_metadata(metadata, source=str(model_path))
         # A GGUF with no output.weight ties the LM head to the embeddings.
@@ -194,6 +211,32 @@ def load_model(
     )
     model.source_path = model_path
     return model
+
+
+def keep_gguf_packed(
+    device: torch.device,
+    dtype: str | torch.dtype | None,
+    tp: TensorParallel | None,
+    quantization: str,
+) -> bool:
+    """Whether a GGUF's quantized weights stay packed (`model/cpu_packed.py`): on the
+    CPU, with no dtype asked for (`--dtype float32` dequantizes them: the exact
+    reference path), one process, and no `--quantization`."""
+    return device.type == "cpu" and dtype is None and tp is None and quantization == "none"
+
+
+def _keep_packable(name: str, raw: torch.Tensor, qtype, shape: tuple) -> GgufBlocks | None:
+    """A packed CPU model keeps the blocks of its projections, embeddings and head
+    (`load_gguf_state_dict`'s `keep_quantized`); anything else is dequantized."""
+    packable = name in ("model.embed_tokens.weight", "lm_head.weight") or (
+        _LAYER_WEIGHT.fullmatch(name) is not None and name.endswith("_proj.weight")
+    )
+    return GgufBlocks.from_file_bytes(raw, qtype, shape) if packable and len(shape) == 2 else None
+
+
+def holds_packed_weights(model: LlamaModel) -> bool:
+    """Whether any matrix of the model is kept quantized on the CPU."""
+    return getattr(model, "packed", False)
 
 
 def check_quantization(quantization: str) -> None:
@@ -330,6 +373,11 @@ def build_model(
                 f"{source}: {names[fp8.index(True)]!r} is FP8 but {names[fp8.index(False)]!r} "
                 "is not; the parts of a fused projection must be quantized alike"
             )
+        if any(isinstance(t, GgufBlocks) for t in ts):  # a packed CPU model
+            packed = pack_matrix(ts)
+            if packed is not None:
+                return packed
+            ts = [t.dequantize() if isinstance(t, GgufBlocks) else t for t in ts]
         if len(ts) == 1:
             return put_matrix(ts[0], names[0])
         if not all(fp8):
@@ -384,18 +432,30 @@ def build_model(
             w.q_norm = norm(p + "self_attn.q_norm.weight", d)
             w.k_norm = norm(p + "self_attn.k_norm.weight", d)
         layers.append(w)
-    embed = put(take("model.embed_tokens.weight", (c.vocab_size, e)))
-    if c.tie_word_embeddings:
+    embed = take("model.embed_tokens.weight", (c.vocab_size, e))
+    if isinstance(embed, GgufBlocks):  # a packed CPU model: the blocks, and a float16 head
+        lm_head = pack_head(embed) if c.tie_word_embeddings else None
+        embed = PackedEmbedding(embed)
+    else:
+        embed = put(embed)
         # Tied: on the GPU the very same memory; on the CPU a transposed copy.
-        lm_head = Linear(embed)
-    else:  # the head stays in the model's dtype, FP8 or not
-        lm_head = Linear(take("lm_head.weight", (c.vocab_size, e)).to(device=device, dtype=dtype))
+        lm_head = Linear(embed) if c.tie_word_embeddings else None
+    if lm_head is None:  # the head stays in the model's dtype, FP8 or not
+        head = take("lm_head.weight", (c.vocab_size, e))
+        if isinstance(head, GgufBlocks):
+            lm_head = pack_head(head)
+        else:
+            lm_head = Linear(head.to(device=device, dtype=dtype))
     final_norm = norm("model.norm.weight", e)
     local = c if tp is None else shard_config(c, tp.size)
     model = LlamaModel(
         local, embed, layers, final_norm, lm_head, max_positions=max_model_len, tp=tp
     )
     model.quantization = "fp8" if online or c.quantization is not None else "none"
+    model.packed = any(
+        isinstance(m, (PackedLinear, Fp16Head, PackedEmbedding))
+        for m in [embed, lm_head, *(x for w in layers for x in (w.qkv_proj, w.gate_up_proj))]
+    )
     return model
 
 
@@ -674,7 +734,8 @@ def weight_bytes(model: LlamaModel) -> int:
     """Bytes of the model's weights on its device (one rank's, under tensor
     parallelism): every matrix, norm, bias and embedding table once (a tied LM head
     that shares the embeddings' memory counts once), FP8 projections at one byte a
-    value plus their float32 scales. `--stats` and `/metrics` report it."""
+    value plus their float32 scales, a packed CPU model's as packed (`cpu_packed.py`).
+    `--stats` and `/metrics` report it."""
     tensors = [model.embed_tokens, model.norm]
     matrices = [model.lm_head]
     for layer in model.layers:
@@ -688,10 +749,17 @@ def weight_bytes(model: LlamaModel) -> int:
             layer.attn_out_norm,
             layer.mlp_out_norm,
         ]
-    for m in matrices:
-        tensors += [m.qweight, m.scale] if isinstance(m, Fp8Linear) else [m.stored]
-    seen: set[int] = set()
     total = 0
+    for m in matrices:
+        if isinstance(m, Fp8Linear):
+            tensors += [m.qweight, m.scale]
+        elif isinstance(m, PackedLinear):
+            tensors += list(m.tensors.values())
+        elif isinstance(m, Fp16Head):  # fbgemm's packed matrix is no tensor
+            total += m.nbytes
+        else:
+            tensors.append(m.stored)
+    seen: set[int] = set()
     for t in tensors:
         # Gemma's attn_out_norm is the post_norm tensor of the file: once.
         if t is not None and t.data_ptr() not in seen:

@@ -549,7 +549,10 @@ class ModelRunner:
                 batch.input_ids = fed.to(torch.long).contiguous()
             if self.device.type == "cpu" and self.workers is None:
                 # Decode's few rows multiply through numpy: its threads go to OpenBLAS.
-                threads_for_step(numpy_projections(batch.num_tokens, self.model.dtype))
+                threads_for_step(
+                    numpy_projections(batch.num_tokens, self.model.dtype)
+                    and not getattr(self.model, "packed", False)
+                )
             logits = self._forward(host, batch, fed is not None)  # (rows, V), the model's dtype
         self.host_time_s += time.perf_counter() - t0
         self.num_steps += 1

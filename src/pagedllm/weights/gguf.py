@@ -579,7 +579,8 @@ def load_gguf_state_dict(
     dtype: torch.dtype | None = None,  # None: float32
     strict: bool = True,
     select: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    keep_quantized: Callable[[str, torch.Tensor, GGMLQuantizationType, tuple], Any] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Metadata and Hugging Face-named, dequantized tensors of a llama.cpp Llama GGUF.
 
     Q and K weights are un-permuted (Q over `llama.attention.head_count`
@@ -591,7 +592,11 @@ def load_gguf_state_dict(
     a weight we would drop silently is a wrong model) or skipped with a warning
     naming it (`strict=False`). `select(hf_name, tensor)`: the part of each
     dequantized tensor to keep (a tensor-parallel rank's slice), taken before
-    the next is dequantized.
+    the next is dequantized. `keep_quantized(hf_name, raw, type, shape)`, asked
+    of each quantized tensor (never of F32, F16, BF16 ones) with its bytes (a
+    view of the file) and torch shape: what to keep instead of dequantizing it
+    (the loader's `gguf_blocks.GgufBlocks`, whose `permute_rows` un-permutes Q
+    and K), or None to dequantize it as usual.
     """
     with GGUFFile(path) as g:
         meta = g.metadata
@@ -636,7 +641,12 @@ def load_gguf_state_dict(
         # 2. dequantize (on `device`), then un-permute Q and K
         tensors: dict[str, torch.Tensor] = {}
         for name, target in plan.items():
-            t = g.load_tensor(name, dtype=dtype, device=device)
+            info = g.tensor_info(name)
+            t = None
+            if keep_quantized is not None and info.ggml_type in _DEQUANTIZERS:
+                t = keep_quantized(target, g.raw_bytes(name), info.ggml_type, info.shape)
+            if t is None:
+                t = g.load_tensor(name, dtype=dtype, device=device)
             heads = None
             if not permuted:
                 pass
@@ -646,7 +656,11 @@ def load_gguf_state_dict(
                 heads = n_kv_head
             if heads is not None:
                 try:
-                    t = unpermute_qk(t, heads)
+                    t = (
+                        t.permute_rows(lambda rows, h=heads: unpermute_qk(rows, h))
+                        if hasattr(t, "permute_rows")
+                        else unpermute_qk(t, heads)
+                    )
                 except ValueError as e:
                     raise ValueError(
                         f"{g.path}: tensor {name!r}: {e}; check the attention.head_count "
