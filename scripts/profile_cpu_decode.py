@@ -101,6 +101,48 @@ def tiny_op_us(reps: int = 20000) -> float:
     return (time.perf_counter() - t) / reps * 1e6
 
 
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def memory_growth(dtype: str | None, llamacpp: str | None) -> dict:
+    """The resident set (MiB) after the imports and after loading the default model
+    with no K/V pool (`load_model`), against the GGUF file's size. With `llamacpp`
+    (under its venv): llama.cpp's `Llama(model)` instead (its default context)."""
+    from pathlib import Path
+
+    if llamacpp:
+        import llama_cpp
+
+        before = rss_mb()
+        llm = llama_cpp.Llama(llamacpp, n_ctx=2048, verbose=False)
+        after = rss_mb()
+        del llm
+        path = Path(llamacpp)
+    else:
+        from pagedllm.model.loader import load_model, resolve_model_path
+
+        before = rss_mb()
+        model = load_model(None, "cpu", dtype)
+        after = rss_mb()
+        path = resolve_model_path(None)
+        del model
+    size = path.stat().st_size / 2**20
+    return {
+        "engine": "llama.cpp" if llamacpp else "pagedllm",
+        "dtype": dtype,
+        "file_mib": round(size, 1),
+        "rss_before_mib": round(before, 1),
+        "rss_after_mib": round(after, 1),
+        "growth_mib": round(after - before, 1),
+        "growth_over_file": round((after - before) / size, 2),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=None)
@@ -109,9 +151,17 @@ def main() -> None:
     ap.add_argument(
         "--dtype", default=None, help="float32: the dequantized path (default: packed weights)"
     )
+    ap.add_argument(
+        "--memory",
+        action="store_true",
+        help="only the resident set: after imports, then after loading the model",
+    )
     ap.add_argument("--llamacpp", metavar="GGUF", help="time llama.cpp instead (its own venv)")
     ap.add_argument("--new-tokens", type=int, default=512, help="with --llamacpp")
     args = ap.parse_args()
+    if args.memory:
+        print(json.dumps(memory_growth(args.dtype, args.llamacpp)))
+        return
     if args.llamacpp:
         row = llamacpp_decode(args.llamacpp, args.threads or 1, args.prompt_len, args.new_tokens)
         print(json.dumps(row))
@@ -151,7 +201,7 @@ def main() -> None:
 
     # Time the parts by wrapping them (a wrapper costs ~0.3 us a call: negligible).
     spent: Counter[str] = Counter()
-    matrix_types = (linear_mod.Linear, cpu_packed.PackedLinear, cpu_packed.Fp16Head)
+    matrix_types = (linear_mod.Linear, cpu_packed.PackedLinear, cpu_packed.Fp16Table)
     originals = {cls: cls.__call__ for cls in matrix_types}
 
     def patch(make) -> None:

@@ -20,7 +20,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.model import cpu_packed
 from pagedllm.model.cpu_packed import (
     PACKED_KERNEL_MAX_ROWS,
-    Fp16Head,
+    Fp16Table,
     PackedEmbedding,
     PackedLinear,
     pack_matrix,
@@ -119,18 +119,20 @@ def test_fused_parts_int4_only_when_all_are_4_bit() -> None:
     assert pack_matrix([blocks(Q.Q4_0, 64, 64), torch.zeros(32, 64)]) is None
 
 
-def test_head_and_embedding() -> None:
+def test_head_and_embeddings() -> None:
     b = blocks(Q.Q8_0, 96, 64, seed=5)
     w = oracle(b)
     emb = PackedEmbedding(b)
     ids = torch.tensor([[0, 95], [7, 7]])
     assert torch.equal(emb[ids], w[ids])
     assert emb.shape == (96, 64) and emb.dtype == torch.float32
-    head = Fp16Head(w)
+    table = Fp16Table(w)
+    assert torch.equal(table[ids], w.half().float()[ids])
     x = torch.randn(3, 64)
-    torch.testing.assert_close(head(x), x @ w.half().float().t(), rtol=1e-5, atol=1e-5)
-    assert torch.equal(head.weight, w.half().float())
-    assert head.nbytes == 96 * 64 * 2
+    ref = x.half().float() @ w.half().float().t()
+    torch.testing.assert_close(table(x), ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())
+    assert torch.equal(table.weight, w.half().float())
+    assert table.nbytes == 96 * 64 * 2
 
 
 # ----- a whole model ---------------------------------------------------------------------------
@@ -138,8 +140,8 @@ def test_head_and_embedding() -> None:
 HIDDEN, HEADS, D, INTER, VOCAB = 64, 4, 16, 256, 96
 
 
-def packed_llama(path: Path, types: dict[str, Q]) -> Path:
-    """A tied 2-layer Llama GGUF whose projections have `types` (by GGUF name stem)."""
+def packed_llama(path: Path, types: dict[str, Q], tied: bool = True) -> Path:
+    """A 2-layer Llama GGUF whose projections have `types` (by GGUF name stem)."""
     kv = {
         **LLAMA_KV,
         "llama.feed_forward_length": INTER,
@@ -149,6 +151,8 @@ def packed_llama(path: Path, types: dict[str, Q]) -> Path:
         "token_embd.weight": (types.get("token_embd", Q.Q8_0), (VOCAB, HIDDEN)),
         "output_norm.weight": (Q.F32, (HIDDEN,)),
     }
+    if not tied:
+        tensors["output.weight"] = (Q.Q8_0, (VOCAB, HIDDEN))
     for i in range(2):
         tensors |= {
             f"blk.{i}.attn_norm.weight": (Q.F32, (HIDDEN,)),
@@ -175,8 +179,8 @@ def test_cpu_default_keeps_a_gguf_packed_and_float32_dequantizes(tiny_q4: Path) 
     assert packed.packed and not exact.packed
     layer = packed.layers[0]
     assert layer.qkv_proj.kind == "int4" and layer.down_proj.kind == "int8"
-    assert isinstance(packed.embed_tokens, PackedEmbedding)
-    assert isinstance(packed.lm_head, Fp16Head)
+    assert isinstance(packed.lm_head, Fp16Table)
+    assert packed.embed_tokens is packed.lm_head  # tied: one float16 table
     assert weight_bytes(packed) < weight_bytes(exact) / 2
     # Q and K rows un-permuted as in the float path (llama.cpp permutes them in the file)
     got, want = layer.qkv_proj.weight, exact.layers[0].qkv_proj.weight
@@ -207,12 +211,20 @@ def test_engine_on_a_packed_model_matches_its_own_reference_loop(tiny_q4: Path) 
         assert list(out.token_ids) == seq[len(prompt) :]
 
 
-def test_gemma_like_mixed_types_load_packed(tmp_path: Path) -> None:
+def test_mixed_types_and_an_untied_head_load_packed(tmp_path: Path) -> None:
     types = {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q8_0, "ffn_down": Q.Q6_K}
-    path = packed_llama(tmp_path / "mixed.gguf", types)
+    path = packed_llama(tmp_path / "mixed.gguf", types, tied=False)
     packed, exact = load_model(path, "cpu"), load_model(path, "cpu", "float32")
+    assert isinstance(packed.embed_tokens, PackedEmbedding)  # the file's blocks
+    assert isinstance(packed.lm_head, Fp16Table)
+    assert weight_bytes(packed) < weight_bytes(exact) / 2
     assert packed.layers[0].qkv_proj.kind == "int8"
     assert packed.layers[0].gate_up_proj.kind == "int4"
     seq = [1, 2, 3, 4, 5]
     got, want = packed.forward_logits(seq), exact.forward_logits(seq)
-    assert ((got - want).norm() / want.norm()).item() < 0.03
+    assert torch.isfinite(got).all()
+    # Random K-quant blocks give rows whose blocks' scales differ by 100x, where one
+    # int8 scale a row rounds hard: a loose bound (real files: tests above, and
+    # docs/benchmarks.md's perplexity); the untied head is float16 either way.
+    assert ((got - want).norm() / want.norm()).item() < 0.25
+    torch.testing.assert_close(packed.lm_head.weight, exact.lm_head.weight, rtol=1e-3, atol=1e-4)

@@ -20,12 +20,15 @@ What each GGUF type becomes (`PackedLinear.from_blocks`):
 A fused projection (Q/K/V, gate/up) whose parts are all 4-bit stays int4;
 otherwise every part is rounded to int8 (Gemma's Q5_0 + Q8_0 V).
 
-The LM head (`Fp16Head`) keeps float16 values (the file's Q8_0 or Q6_K
-dequantized, then rounded to 11 bits) multiplied by fbgemm's fp16 kernel,
-which widens them to float32 and multiplies float32 activations: on
-SmolLM2, an int8 head (one scale a row) moved perplexity by 0.4 % and changed
-2 of 10 greedy answers, float16 neither. The embeddings (`PackedEmbedding`)
-keep the file's blocks and dequantize only the rows a step looks up.
+The LM head (`Fp16Table`) keeps float16 values (the file's Q8_0 or Q6_K
+dequantized, then rounded to 11 bits), and a tied model's embeddings are the
+same table: on SmolLM2, an int8 head (one scale a row, through
+`_weight_int8pack_mm`) moved perplexity by +0.29 % and changed 2 of 10 greedy
+answers, float16 neither (scripts/accuracy.py). fbgemm's fp16 GEMM reads it
+faster (3.2 ms against 5.1 on one thread) but holds 98 MiB for its 54 MiB of
+values, and a second copy for the embeddings: over issue 38's memory bound.
+An untied model's embeddings (`PackedEmbedding`) keep the file's blocks and
+dequantize only the rows a step looks up.
 
 Prefill: at more than `PACKED_KERNEL_MAX_ROWS` rows the packed kernels lose to
 float32's GEMM (a 1,024-row gate/up: 46 ms int4, 24 ms float32), so such a
@@ -41,7 +44,6 @@ accuracy of this one against it.
 
 from __future__ import annotations
 
-import warnings
 from functools import lru_cache
 from types import ModuleType
 
@@ -183,63 +185,56 @@ class PackedLinear:
         return f"PackedLinear(in={inp}, out={out}, {self.kind}, {self.nbytes:,} bytes)"
 
 
-def _fbgemm_fp16() -> bool:
-    return "fbgemm" in torch.backends.quantized.supported_engines
-
-
-class Fp16Head:
-    """The LM head of a packed model: (V, E) float16 values, applied to float32 rows
-    through fbgemm's fp16 GEMM (float32 arithmetic on widened weights); where torch
-    has no fbgemm (ARM), a float16 matrix and `F.linear` in float16."""
+class Fp16Table:
+    """The LM head of a packed model, (V, E) float16 values (the file's Q8_0 or Q6_K
+    dequantized, then rounded to 11 bits): `table(x)` multiplies float32 rows by
+    it (`F.linear` in float16), `table[ids]` reads rows as float32. A tied model's
+    embeddings are the same table, held once."""
 
     def __init__(self, w: torch.Tensor) -> None:
         if w.dim() != 2:
             raise ValueError(f"an LM head is a matrix, got shape {tuple(w.shape)}")
-        self._shape = torch.Size(w.shape)
-        w16 = w.to(torch.float16)
-        self._packed = None
-        self._w16 = None
-        if _fbgemm_fp16():
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                self._packed = torch.ops.quantized.linear_prepack_fp16(w16.float(), None)
-        else:
-            self._w16 = w16.contiguous()
+        self.table = w.to(torch.float16).contiguous()
 
     def __call__(self, x: torch.Tensor, impl: ModuleType | None = None) -> torch.Tensor:
-        if self._packed is not None:
-            return torch.ops.quantized.linear_dynamic_fp16(x.float().contiguous(), self._packed)
-        return F.linear(x.to(torch.float16), self._w16).float()
+        return F.linear(x.to(torch.float16), self.table).float()
 
     forward = __call__
+
+    def __getitem__(self, index: torch.Tensor) -> torch.Tensor:
+        return self.table[index].float()
 
     @property
     def weight(self) -> torch.Tensor:
         """(V, E) float32: the float16 values, widened (a new tensor)."""
-        if self._packed is not None:
-            return torch.ops.quantized.linear_unpack_fp16(self._packed)[0].float()
-        return self._w16.float()
+        return self.table.float()
 
     @property
     def shape(self) -> torch.Size:
-        return self._shape
+        return self.table.shape
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        return self.table.device
 
     @property
     def dtype(self) -> torch.dtype:
+        """What it takes and returns (its values are float16)."""
         return torch.float32
 
     @property
     def nbytes(self) -> int:
-        return self._shape.numel() * 2
+        return self.table.nbytes
+
+    def data_ptr(self) -> int:
+        return self.table.data_ptr()
+
+    def element_size(self) -> int:
+        return self.table.element_size()
 
     def __repr__(self) -> str:
-        v, e = self._shape
-        kernel = "fbgemm" if self._packed is not None else "F.linear"
-        return f"Fp16Head(in={e}, out={v}, float16, {kernel})"
+        v, e = self.table.shape
+        return f"Fp16Table(in={e}, out={v}, float16)"
 
 
 class PackedEmbedding:
@@ -284,8 +279,8 @@ class PackedEmbedding:
         return f"PackedEmbedding(vocab={v}, dim={e}, {self.blocks.qtype.name})"
 
 
-def pack_head(w: GgufBlocks | torch.Tensor) -> Fp16Head:
-    return Fp16Head(w.dequantize() if isinstance(w, GgufBlocks) else w)
+def pack_head(w: GgufBlocks | torch.Tensor) -> Fp16Table:
+    return Fp16Table(w.dequantize() if isinstance(w, GgufBlocks) else w)
 
 
 def pack_matrix(parts: list[GgufBlocks | torch.Tensor]):

@@ -32,7 +32,7 @@ import torch
 from pagedllm.config import ModelConfig
 from pagedllm.engine_config import QUANTIZATIONS
 from pagedllm.model.cpu_packed import (
-    Fp16Head,
+    Fp16Table,
     PackedEmbedding,
     PackedLinear,
     pack_head,
@@ -47,6 +47,7 @@ from pagedllm.model.parallel import (
     shard_weight,
     sharded_shape,
 )
+from pagedllm.memory import release_freed_memory
 from pagedllm.resolve import is_gguf, resolve_model_path
 from pagedllm.weights.fp8 import (
     RANDOM_CHUNK,
@@ -210,6 +211,8 @@ def load_model(
         quantization=quantization,
     )
     model.source_path = model_path
+    del state  # the file's tensors (a packed model's blocks, once packed) go now, and
+    release_freed_memory()  # the load's temporaries back to the kernel, not kept in the heap
     return model
 
 
@@ -433,9 +436,11 @@ def build_model(
             w.k_norm = norm(p + "self_attn.k_norm.weight", d)
         layers.append(w)
     embed = take("model.embed_tokens.weight", (c.vocab_size, e))
-    if isinstance(embed, GgufBlocks):  # a packed CPU model: the blocks, and a float16 head
-        lm_head = pack_head(embed) if c.tie_word_embeddings else None
-        embed = PackedEmbedding(embed)
+    if isinstance(embed, GgufBlocks):  # a packed CPU model (`cpu_packed.py`)
+        if c.tie_word_embeddings:  # one float16 table for both
+            embed = lm_head = pack_head(embed)
+        else:  # the file's blocks, rows dequantized as they are looked up
+            embed, lm_head = PackedEmbedding(embed), None
     else:
         embed = put(embed)
         # Tied: on the GPU the very same memory; on the CPU a transposed copy.
@@ -453,7 +458,7 @@ def build_model(
     )
     model.quantization = "fp8" if online or c.quantization is not None else "none"
     model.packed = any(
-        isinstance(m, (PackedLinear, Fp16Head, PackedEmbedding))
+        isinstance(m, (PackedLinear, Fp16Table, PackedEmbedding))
         for m in [embed, lm_head, *(x for w in layers for x in (w.qkv_proj, w.gate_up_proj))]
     )
     return model
@@ -749,17 +754,17 @@ def weight_bytes(model: LlamaModel) -> int:
             layer.attn_out_norm,
             layer.mlp_out_norm,
         ]
-    total = 0
     for m in matrices:
         if isinstance(m, Fp8Linear):
             tensors += [m.qweight, m.scale]
         elif isinstance(m, PackedLinear):
             tensors += list(m.tensors.values())
-        elif isinstance(m, Fp16Head):  # fbgemm's packed matrix is no tensor
-            total += m.nbytes
+        elif isinstance(m, Fp16Table):  # a tied one is the embeddings: counted once
+            tensors.append(m)
         else:
             tensors.append(m.stored)
     seen: set[int] = set()
+    total = 0
     for t in tensors:
         # Gemma's attn_out_norm is the post_norm tensor of the file: once.
         if t is not None and t.data_ptr() not in seen:
