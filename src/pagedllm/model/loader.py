@@ -31,6 +31,7 @@ import torch
 
 from pagedllm.config import ModelConfig
 from pagedllm.engine_config import QUANTIZATIONS
+from pagedllm.memory import release_freed_memory
 from pagedllm.model.cpu_packed import (
     Fp16Table,
     PackedEmbedding,
@@ -47,7 +48,6 @@ from pagedllm.model.parallel import (
     shard_weight,
     sharded_shape,
 )
-from pagedllm.memory import release_freed_memory
 from pagedllm.resolve import is_gguf, resolve_model_path
 from pagedllm.weights.fp8 import (
     RANDOM_CHUNK,
