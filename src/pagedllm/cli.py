@@ -451,8 +451,12 @@ def _weights_row(s: dict) -> list[tuple[str, str]]:
         return []
     from pagedllm.memory import size_text
 
-    fp8 = " (FP8 projections)" if s.get("weights_fp8") else ""
-    return [("model weights", f"{size_text(s['weight_bytes'])}{fp8}")]
+    note = ""
+    if s.get("weights_fp8"):
+        note = " (FP8 projections)"
+    elif s.get("weights_packed"):
+        note = " (packed: int4/int8 projections, float16 head; --dtype float32 unpacks)"
+    return [("model weights", f"{size_text(s['weight_bytes'])}{note}")]
 
 
 def print_stats(

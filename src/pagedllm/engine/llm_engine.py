@@ -146,6 +146,7 @@ class LLMEngine:
             # FP8 projections at a byte a value): --stats, /metrics.
             self.weight_bytes = weight_bytes(model)
             self.weights_fp8 = holds_fp8_weights(model)
+            self.weights_packed = getattr(model, "packed", False)  # CPU: GGUF blocks kept
             self.load_time_s = time.perf_counter() - t0
             mc = model.config
             if tokenizer is not None:
@@ -719,6 +720,7 @@ class LLMEngine:
             "kv_cache_dtype": _dtype_name(self.kv_spec.dtype),
             "weight_bytes": self.weight_bytes,
             "weights_fp8": self.weights_fp8,
+            "weights_packed": self.weights_packed,
             "prefill_tokens": s.num_prefill_tokens,
             "decode_tokens": s.num_decode_tokens,
             "steps": self.num_steps,
