@@ -112,6 +112,7 @@ def _context_fields(workload: str, ours: BenchResult, context: dict[str, Any]) -
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": context.get("device"),
         "dtype": context.get("dtype"),
+        "weights": context.get("weights"),  # "packed": a CPU GGUF's kept quantized
         "threads": context.get("threads"),  # torch CPU (intra-op) threads
         "omp_wait_policy": context.get("omp_wait_policy"),
         "model": context.get("model"),
@@ -190,7 +191,8 @@ def format_table(workload: str, ours: BenchResult, peer: BenchResult | None, con
 def _header_lines(workload: str, context: dict) -> list[str]:
     return [
         f"pagedllm bench {workload}: {context.get('model')} on {context.get('device')}, "
-        f"{context.get('dtype')}, commit {context.get('commit')}",
+        f"{context.get('dtype')}{' (weights packed)' if context.get('weights') == 'packed' else ''}, "
+        f"commit {context.get('commit')}",
         f"torch CPU threads: {context.get('threads')} "
         f"(OMP_WAIT_POLICY={context.get('omp_wait_policy') or 'unset'})",
         f"workload: {context.get('workload_description')}",
