@@ -40,7 +40,9 @@ def main() -> None:
     peers = []
     for item in args.llamacpp:
         threads, _, tok_s = item.partition("=")
-        peers.append((f"llama.cpp\n{threads} thread{'s' if int(threads) > 1 else ''}", float(tok_s)))
+        peers.append(
+            (f"llama.cpp\n{threads} thread{'s' if int(threads) > 1 else ''}", float(tok_s))
+        )
 
     fig, ax = plt.subplots(figsize=(8, 4.2))
     xs = list(range(len(labels)))
@@ -53,7 +55,13 @@ def main() -> None:
     for i, (label, tok_s) in enumerate(peers):
         x = len(rows) + i
         ms = 1000.0 / tok_s
-        ax.bar([x], [ms], color="#55a868", width=0.6, label="llama.cpp (whole token)" if i == 0 else None)
+        ax.bar(
+            [x],
+            [ms],
+            color="#55a868",
+            width=0.6,
+            label="llama.cpp (whole token)" if i == 0 else None,
+        )
         ax.text(x, ms + 0.5, f"{ms:.1f} ms", ha="center", fontsize=9)
         labels.append(label)
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
