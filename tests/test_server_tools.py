@@ -4,12 +4,14 @@ SmolLM2's GGUF template ignores `tools`, so the server teaches them in a system
 prompt in the `<tool_call>` format; a forced call ("required", a named
 function) is constrained to that format, its arguments to the tool's
 parameters (oracle: `jsonschema`). "auto" parsing on fixed outputs of each
-format is tests/test_tool_calls.py.
+format is tests/test_tool_calls.py; here "auto" parses the model's own output,
+steered to a call by a regex where a call is wanted.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -234,6 +236,64 @@ def test_auto_streamed_and_not_give_the_same_message(server):
     ]
     assert content or calls
     assert all(c["id"].startswith("call_") and c["name"] in SCHEMAS for c in calls)
+
+
+def _literal(text: str) -> str:
+    r"""`text` as a regex that matches only it (llguidance's syntax: its metacharacters
+    escaped, a newline as \n)."""
+    return "".join("\\" + c if c in "\\.+*?()|[]{}^$" else c for c in text).replace("\n", r"\n")
+
+
+@pytest.mark.parametrize("before", ["", "Let me check.\n"])
+def test_auto_turns_a_call_the_model_writes_into_tool_calls(server, before):
+    """ "auto" with the model writing a call in the template's format (SmolLM2's
+    template ignores tools: our prompt teaches the `<tool_call>` tags). The
+    model's output is steered there by a regex (vLLM's structured_outputs, which
+    "auto" takes since it forces nothing itself), whose city and unit the model
+    picks; the server parses the call out of what it wrote, plain and streamed
+    (the openai client assembling the deltas), text before the call staying
+    content as the model wrote it."""
+    regex = (
+        _literal(before + '<tool_call>\n{"name": "get_weather", "arguments": {"city": "')
+        + '[A-Z][a-z]{2,8}", "unit": "(celsius|fahrenheit)'
+        + _literal('"}}\n</tool_call>')
+    )
+    client = server.client()
+    request = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="auto",
+        max_tokens=60,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": regex}},
+    )
+
+    def streamed():
+        with client.beta.chat.completions.stream(**request) as stream:
+            events = [(e.type, getattr(e, "delta", None)) for e in stream]
+            return stream.get_final_completion(), events
+
+    with ThreadPoolExecutor(2) as pool:  # batched together: one run's time
+        plain = pool.submit(client.chat.completions.create, **request)
+        final, events = streamed()
+    for choice in (plain.result().choices[0], final.choices[0]):
+        assert choice.finish_reason == "tool_calls", choice
+        assert (choice.message.content or "") == before, choice  # as written, vLLM's way
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        _valid(call)
+        args = json.loads(call.function.arguments)
+        assert re.fullmatch("[A-Z][a-z]{2,8}", args["city"]), args
+    # A reply that is only a call has no content (null, not ""), as OpenAI's.
+    assert plain.result().choices[0].message.content == (before or None)
+    # The same call both ways (greedy), each with its own id.
+    a, b = plain.result().choices[0].message.tool_calls[0], final.choices[0].message.tool_calls[0]
+    assert a.function.arguments == b.function.arguments and a.id != b.id
+    # The stream sent the text before the call as content, and never the call's text.
+    sent = "".join(d for kind, d in events if kind == "content.delta" and d)
+    assert sent == before and "tool_call" not in sent
+    assert ("tool_calls.function.arguments.done", None) in events
 
 
 def _tokenize(server, body) -> tuple[int, dict]:
