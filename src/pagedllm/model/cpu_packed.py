@@ -50,7 +50,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from pagedllm.weights.gguf_blocks import GROUP, GgufBlocks, cat_rows, int4_parts
+from pagedllm.weights.gguf_blocks import GROUP, GgufBlocks, int4_parts
 
 PACKED_KERNEL_MAX_ROWS = 16  # more rows: dequantize and use float32's GEMM
 
@@ -83,7 +83,26 @@ def _int4pack_block_n() -> int | None:
     return None
 
 
-class PackedLinear:
+class _CpuMatrix:
+    """What the packed CPU matrices share: they live on the CPU, take and return
+    float32 (whatever they store), and have an HF-order `shape`."""
+
+    _shape: torch.Size
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._shape
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+
+class PackedLinear(_CpuMatrix):
     """A GGUF (out, in) matrix kept quantized on the CPU, applied as `linear(x)`:
     (T, in) float32 -> (T, out) float32. `kind` "int4" (4-bit values, a scale and
     a zero per 32 inputs) or "int8" (8-bit values, a scale per output row); see
@@ -164,19 +183,6 @@ class PackedLinear:
         return ((q.float() - 8.0) * scale + zero).view(out, inp)
 
     @property
-    def shape(self) -> torch.Size:
-        return self._shape
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """What it takes and returns (the values are stored in `kind`)."""
-        return torch.float32
-
-    @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
@@ -185,7 +191,7 @@ class PackedLinear:
         return f"PackedLinear(in={inp}, out={out}, {self.kind}, {self.nbytes:,} bytes)"
 
 
-class Fp16Table:
+class Fp16Table(_CpuMatrix):
     """The LM head of a packed model, (V, E) float16 values (the file's Q8_0 or Q6_K
     dequantized, then rounded to 11 bits): `table(x)` multiplies float32 rows by
     it (`F.linear` in float16), `table[ids]` reads rows as float32. A tied model's
@@ -195,6 +201,7 @@ class Fp16Table:
         if w.dim() != 2:
             raise ValueError(f"an LM head is a matrix, got shape {tuple(w.shape)}")
         self.table = w.to(torch.float16).contiguous()
+        self._shape = self.table.shape
 
     def __call__(self, x: torch.Tensor, impl: ModuleType | None = None) -> torch.Tensor:
         return F.linear(x.to(torch.float16), self.table).float()
@@ -208,19 +215,6 @@ class Fp16Table:
     def weight(self) -> torch.Tensor:
         """(V, E) float32: the float16 values, widened (a new tensor)."""
         return self.table.float()
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.table.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.table.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """What it takes and returns (its values are float16)."""
-        return torch.float32
 
     @property
     def nbytes(self) -> int:
@@ -237,12 +231,13 @@ class Fp16Table:
         return f"Fp16Table(in={e}, out={v}, float16)"
 
 
-class PackedEmbedding:
+class PackedEmbedding(_CpuMatrix):
     """The embedding table of a packed model: the file's blocks, (V, row_bytes);
     `table[ids]` dequantizes the rows asked for, (*ids.shape, E) float32."""
 
     def __init__(self, blocks: GgufBlocks) -> None:
         self.blocks = blocks
+        self._shape = torch.Size(blocks.shape)
 
     def __getitem__(self, index: torch.Tensor) -> torch.Tensor:
         return self.blocks.rows(index)
@@ -250,18 +245,6 @@ class PackedEmbedding:
     @property
     def weight(self) -> torch.Tensor:
         return self.blocks.dequantize()
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size(self.blocks.shape)
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float32
 
     @property
     def nbytes(self) -> int:
@@ -288,6 +271,4 @@ def pack_matrix(parts: list[GgufBlocks | torch.Tensor]):
     blocks; None when any is a float tensor (the caller keeps a float `Linear`)."""
     if not all(isinstance(p, GgufBlocks) for p in parts):
         return None
-    if len(parts) > 1 and len({p.qtype for p in parts}) == 1 and parts[0].int4_exact():
-        return PackedLinear.from_blocks([cat_rows(parts)])
     return PackedLinear.from_blocks(parts)

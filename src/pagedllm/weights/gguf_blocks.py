@@ -1,7 +1,7 @@
 """A GGUF tensor kept quantized: its ggml blocks, row by row, and what can be read from them.
 
 Owns: `GgufBlocks` (the raw bytes of a quantized (out, in) matrix as (out,
-row_bytes) uint8, its ggml type and shape: rows can be permuted, concatenated,
+row_bytes) uint8, its ggml type and shape: rows can be permuted,
 gathered and dequantized), and `int4_parts`, which reads the 4-bit formats
 (Q4_0, Q4_1, Q4_K) as 4-bit integers with one scale and one zero per 32
 values, exactly:
@@ -88,15 +88,6 @@ class GgufBlocks:
 
     def int4_exact(self) -> bool:
         return self.qtype.name in INT4_EXACT
-
-
-def cat_rows(parts: list[GgufBlocks]) -> GgufBlocks:
-    """Parts of one type and width stacked by rows (fused Q/K/V, gate/up)."""
-    first = parts[0]
-    if any(p.qtype != first.qtype or p.shape[1] != first.shape[1] for p in parts):
-        raise ValueError("cat_rows needs parts of one ggml type and width")
-    raw = torch.cat([p.raw for p in parts])
-    return GgufBlocks(raw, first.qtype, (raw.shape[0], first.shape[1]))
 
 
 def int4_parts(w: GgufBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
