@@ -228,3 +228,12 @@ def test_mixed_types_and_an_untied_head_load_packed(tmp_path: Path) -> None:
     # docs/benchmarks.md's perplexity); the untied head is float16 either way.
     assert ((got - want).norm() / want.norm()).item() < 0.25
     torch.testing.assert_close(packed.lm_head.weight, exact.lm_head.weight, rtol=1e-3, atol=1e-4)
+
+
+def test_a_torch_without_the_kernels_loads_the_float32_path(tiny_q4: Path, monkeypatch) -> None:
+    import pagedllm.model.loader as loader
+
+    monkeypatch.setattr(loader, "packed_kernels_available", lambda: False)
+    model = load_model(tiny_q4, "cpu")
+    assert not model.packed
+    assert type(model.layers[0].qkv_proj).__name__ == "Linear"

@@ -55,6 +55,16 @@ from pagedllm.weights.gguf_blocks import GROUP, GgufBlocks, int4_parts
 PACKED_KERNEL_MAX_ROWS = 16  # more rows: dequantize and use float32's GEMM
 
 
+def packed_kernels_available() -> bool:
+    """Whether this torch has the CPU kernels (torch 2.6 and later: the int4 ones
+    for the CPU got their own names then); without them a GGUF is dequantized."""
+    aten = torch.ops.aten
+    return all(
+        hasattr(aten, name)
+        for name in ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")
+    ) and hasattr(torch, "_weight_int8pack_mm")
+
+
 def _int4_pack(q: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
 

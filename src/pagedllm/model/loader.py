@@ -38,6 +38,7 @@ from pagedllm.model.cpu_packed import (
     PackedLinear,
     pack_head,
     pack_matrix,
+    packed_kernels_available,
 )
 from pagedllm.model.linear import Fp8Linear, Linear
 from pagedllm.model.llama import LayerWeights, LlamaModel
@@ -224,8 +225,15 @@ def keep_gguf_packed(
 ) -> bool:
     """Whether a GGUF's quantized weights stay packed (`model/cpu_packed.py`): on the
     CPU, with no dtype asked for (`--dtype float32` dequantizes them: the exact
-    reference path), one process, and no `--quantization`."""
-    return device.type == "cpu" and dtype is None and tp is None and quantization == "none"
+    reference path), one process, no `--quantization`, and a torch that has the
+    kernels (2.6 or later)."""
+    return (
+        device.type == "cpu"
+        and dtype is None
+        and tp is None
+        and quantization == "none"
+        and packed_kernels_available()
+    )
 
 
 def _keep_packable(name: str, raw: torch.Tensor, qtype, shape: tuple) -> GgufBlocks | None:
