@@ -66,6 +66,22 @@ def _valid(call) -> None:
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
+def plain_and_streamed(client, request: dict):
+    """The same request sent plainly and streamed (the openai client assembling the
+    stream), batched together: (plain completion, final streamed one, the stream's
+    (event type, delta) pairs)."""
+
+    def streamed():
+        with client.beta.chat.completions.stream(**request) as stream:
+            events = [(e.type, getattr(e, "delta", None)) for e in stream]
+            return stream.get_final_completion(), events
+
+    with ThreadPoolExecutor(2) as pool:  # batched together: one run's time
+        plain = pool.submit(client.chat.completions.create, **request)
+        final, events = streamed()
+    return plain.result(), final, events
+
+
 def test_a_named_tool_choice_gives_a_valid_call(server):
     r = server.client().chat.completions.create(
         model=MODEL,
@@ -112,15 +128,7 @@ def test_a_streamed_named_call_is_assembled_by_the_openai_client(server):
         max_tokens=80,
         temperature=0,
     )
-
-    def streamed():
-        with client.beta.chat.completions.stream(**request) as stream:
-            events = [(e.type, getattr(e, "delta", None)) for e in stream]
-            return stream.get_final_completion(), events
-
-    with ThreadPoolExecutor(2) as pool:  # batched together: one run's time
-        plain = pool.submit(client.chat.completions.create, **request)
-        final, events = streamed()
+    plain, final, events = plain_and_streamed(client, request)
     # The arguments came in fragments as the model wrote them, after the name.
     kinds = [kind for kind, _ in events]
     assert kinds.count("tool_calls.function.arguments.delta") >= 2, events
@@ -132,9 +140,7 @@ def test_a_streamed_named_call_is_assembled_by_the_openai_client(server):
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     _valid(call)
     # The same call without streaming: the same arguments (greedy).
-    assert plain.result().choices[0].message.tool_calls[0].function.arguments == (
-        call.function.arguments
-    )
+    assert plain.choices[0].message.tool_calls[0].function.arguments == (call.function.arguments)
 
 
 def test_a_tool_message_is_accepted_in_the_next_turn(server):
@@ -268,16 +274,8 @@ def test_auto_turns_a_call_the_model_writes_into_tool_calls(server, before):
         temperature=0,
         extra_body={"structured_outputs": {"regex": regex}},
     )
-
-    def streamed():
-        with client.beta.chat.completions.stream(**request) as stream:
-            events = [(e.type, getattr(e, "delta", None)) for e in stream]
-            return stream.get_final_completion(), events
-
-    with ThreadPoolExecutor(2) as pool:  # batched together: one run's time
-        plain = pool.submit(client.chat.completions.create, **request)
-        final, events = streamed()
-    for choice in (plain.result().choices[0], final.choices[0]):
+    plain, final, events = plain_and_streamed(client, request)
+    for choice in (plain.choices[0], final.choices[0]):
         assert choice.finish_reason == "tool_calls", choice
         assert (choice.message.content or "") == before, choice  # as written, vLLM's way
         (call,) = choice.message.tool_calls
@@ -286,9 +284,9 @@ def test_auto_turns_a_call_the_model_writes_into_tool_calls(server, before):
         args = json.loads(call.function.arguments)
         assert re.fullmatch("[A-Z][a-z]{2,8}", args["city"]), args
     # A reply that is only a call has no content (null, not ""), as OpenAI's.
-    assert plain.result().choices[0].message.content == (before or None)
+    assert plain.choices[0].message.content == (before or None)
     # The same call both ways (greedy), each with its own id.
-    a, b = plain.result().choices[0].message.tool_calls[0], final.choices[0].message.tool_calls[0]
+    a, b = plain.choices[0].message.tool_calls[0], final.choices[0].message.tool_calls[0]
     assert a.function.arguments == b.function.arguments and a.id != b.id
     # The stream sent the text before the call as content, and never the call's text.
     sent = "".join(d for kind, d in events if kind == "content.delta" and d)
