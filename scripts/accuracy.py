@@ -39,7 +39,6 @@ from pathlib import Path
 import torch
 
 from pagedllm.model import cpu_packed
-from pagedllm.model.batch import ForwardBatch
 from pagedllm.model.loader import load_model, resolve_model_path, weight_bytes
 from pagedllm.tokenizer import Tokenizer
 
@@ -74,19 +73,7 @@ def perplexity(model, ids: list[int], rows_per_chunk: int = 256) -> float:
     and scored a few hundred rows at a time: a 262k vocabulary (Gemma) times
     4,000 rows would be 4 GB of float32 at once."""
     dev, t = model.device, len(ids)
-    batch = ForwardBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-        positions=torch.arange(t, dtype=torch.long, device=dev),
-        slot_mapping=None,
-        block_tables=None,
-        seq_lens=torch.tensor([t], dtype=torch.int32, device=dev),
-        cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32, device=dev),
-        logits_indices=torch.arange(t, dtype=torch.long, device=dev),
-        is_decode=False,
-        max_q_len=t,
-        max_seq_len=t,
-    )
-    hidden = model.forward(batch, None)  # (T, E), the final norm applied
+    hidden = model.forward_hidden(ids)  # (T, E), the final norm applied
     targets = torch.tensor(ids[1:], device=dev)
     nll = 0.0
     for r0 in range(0, t - 1, rows_per_chunk):

@@ -392,6 +392,13 @@ class LlamaModel:
     @torch.inference_mode()
     def forward_logits(self, token_ids: list[int]) -> torch.Tensor:
         """The executable spec: (T, V) float32 logits of one sequence, no cache."""
+        return self.compute_logits(self.forward_hidden(token_ids)).float()
+
+    @torch.inference_mode()
+    def forward_hidden(self, token_ids: list[int]) -> torch.Tensor:
+        """`forward_logits` before the LM head: (T, E) final hidden states of one
+        sequence, no cache (a caller scoring a long text makes the logits a few
+        rows at a time: scripts/accuracy.py)."""
         if not token_ids:
             raise ValueError("forward_logits needs at least one token")
         t = len(token_ids)
@@ -413,4 +420,4 @@ class LlamaModel:
             max_q_len=t,
             max_seq_len=t,
         )
-        return self.compute_logits(self.forward(batch, None)).float()
+        return self.forward(batch, None)
