@@ -274,10 +274,8 @@ def main() -> None:
     floor_ms = weight_bytes / (bw["read_gbps"] * 1e9) * 1e3
     row = {
         "threads": threads,
-        "weights": "packed" if getattr(model, "packed", False) else "float32",
-        "torch_openblas_threads_in_decode": list(
-            cpu_threads.threads_for_step(not getattr(model, "packed", False))
-        ),
+        "weights": "packed" if model.packed else "float32",
+        "torch_openblas_threads_in_decode": list(cpu_threads.threads_for_step(not model.packed)),
         "nproc": os.cpu_count(),
         "load": os.getloadavg()[0],
         "read_gbps": round(bw["read_gbps"], 1),

@@ -378,7 +378,7 @@ def _run(args: argparse.Namespace, config: EngineConfig, argv: list[str]) -> int
         "device": machine.device_name(model.device),
         "dtype": str(model.dtype).removeprefix("torch."),
         # a CPU GGUF's weights kept quantized (model/cpu_packed.py), else the dtype's
-        "weights": "packed" if getattr(model, "packed", False) else "dense",
+        "weights": "packed" if model.packed else "dense",
         "threads": threads,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "model": spec.describe(),

@@ -146,7 +146,7 @@ class LLMEngine:
             # FP8 projections at a byte a value): --stats, /metrics.
             self.weight_bytes = weight_bytes(model)
             self.weights_fp8 = holds_fp8_weights(model)
-            self.weights_packed = getattr(model, "packed", False)  # CPU: GGUF blocks kept
+            self.weights_packed = model.packed  # CPU: GGUF blocks kept
             self.load_time_s = time.perf_counter() - t0
             mc = model.config
             if tokenizer is not None:

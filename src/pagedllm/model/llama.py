@@ -78,6 +78,9 @@ class LlamaModel:
         # Which op implementation runs: "auto", "reference", "triton", or None to read
         # $PAGEDLLM_OPS (see ops/__init__.py). Settable after construction.
         self.ops_mode: str | None = None
+        # Whether a matrix is kept quantized on the CPU (model/cpu_packed.py): the
+        # loader sets it; the runner then gives a decode step's threads to torch.
+        self.packed = False
         # `pagedllm trace` sets this to see the buffers of each layer:
         # tracer(layer_index, name, tensor). None (always, outside a trace): no cost.
         self.tracer = None

@@ -245,11 +245,6 @@ def _keep_packable(name: str, raw: torch.Tensor, qtype, shape: tuple) -> GgufBlo
     return GgufBlocks.from_file_bytes(raw, qtype, shape) if packable and len(shape) == 2 else None
 
 
-def holds_packed_weights(model: LlamaModel) -> bool:
-    """Whether any matrix of the model is kept quantized on the CPU."""
-    return getattr(model, "packed", False)
-
-
 def check_quantization(quantization: str) -> None:
     """ValueError unless `quantization` is one of QUANTIZATIONS ("none", "fp8")."""
     if quantization not in QUANTIZATIONS:
@@ -467,7 +462,11 @@ def build_model(
     model.quantization = "fp8" if online or c.quantization is not None else "none"
     model.packed = any(
         isinstance(m, (PackedLinear, Fp16Table, PackedEmbedding))
-        for m in [embed, lm_head, *(x for w in layers for x in (w.qkv_proj, w.gate_up_proj))]
+        for m in [
+            embed,
+            lm_head,
+            *(x for w in layers for x in (w.qkv_proj, w.o_proj, w.gate_up_proj, w.down_proj)),
+        ]
     )
     return model
 

@@ -550,8 +550,7 @@ class ModelRunner:
             if self.device.type == "cpu" and self.workers is None:
                 # Decode's few rows multiply through numpy: its threads go to OpenBLAS.
                 threads_for_step(
-                    numpy_projections(batch.num_tokens, self.model.dtype)
-                    and not getattr(self.model, "packed", False)
+                    numpy_projections(batch.num_tokens, self.model.dtype) and not self.model.packed
                 )
             logits = self._forward(host, batch, fed is not None)  # (rows, V), the model's dtype
         self.host_time_s += time.perf_counter() - t0
