@@ -5,8 +5,10 @@ it, down; `--model 70b` for Llama-3.1-70B's) and each row count T, times:
 
 - `bf16`: what the bf16 engine runs (ops/triton_gemv.py: the GEMV at T = 1,
   cuBLAS otherwise; gate/up then SwiGLU, or SwiGLU in the GEMV's epilogue);
-- `fp8`: `triton_fp8.fp8_linear` as dispatched (the FP8 GEMV for T <= 16,
-  x's quantization kernel + `torch._scaled_mm` row-wise beyond);
+- `fp8`: `triton_fp8.fp8_linear` as dispatched (the weight-only GEMV at T <=
+  `W8A16_MAX_ROWS`, the FP8 tensor-core GEMV for T <= 16, x's quantization
+  kernel + `torch._scaled_mm` row-wise beyond);
+- `tc_gemv`: the tensor-core GEMV (x quantized per chunk) at every T <= 16;
 - `scaled_mm`: x's quantization + `torch._scaled_mm` at every T (at T <= 16 too,
   against the GEMV), then SwiGLU for gate/up;
 - `tri_gemm`: the Triton FP8 GEMM, per channel (T > 16);
@@ -23,13 +25,22 @@ and times the layer count: the projections' share of a decode step or a
 prefill. `rel` is the FP8 result's error against the float32 reference
 (x not quantized): ~3 % is the activations' e4m3 rounding.
 
-`--sweep` also times the GEMV over a grid of (BLOCK_N, BLOCK_K, warps, stages,
+`--w8-sweep` times the weight-only GEMV (ops/triton_gemv.py reading float8 W)
+over a grid of (BLOCK_N, BLOCK_K, warps) at T = 1 and prints the best per
+shape as `W8A16_CONFIGS` entries; with `--e2e PRESET ...` it installs them
+and runs `pagedllm bench latency --quantization fp8` in this process on each
+preset (random weights), the tensor-core GEMV at one row (W8A16_MAX_ROWS = 0)
+and the weight-only one, alternating (`--e2e-workloads ttft latency
+throughput` for more than batch-1). `--load-configs PATH ...` takes the winners
+from earlier runs' `--json` instead of sweeping (`--rows` with no value
+then skips the kernel table). `--sweep` also times the GEMV over a grid of (BLOCK_N, BLOCK_K, warps, stages,
 SPLIT_K) at T = 1 and 16 and prints the best per shape as `GEMV_CONFIGS`
 entries for ops/triton_fp8.py; `--gemm-sweep` does the same for the Triton
 GEMM's tiles at T = 1,024.
 
     PYTHONPATH=src python3 scripts/bench_fp8.py [--model 8b|70b] [--rows 1 4 16 64 1024]
-        [--only down gate_up] [--sweep] [--gemm-sweep] [--json PATH]
+        [--only down gate_up] [--sweep] [--w8-sweep [--e2e llama-3.1-8b]] [--gemm-sweep]
+        [--json PATH]
 
 The last line printed is one JSON object (the rows, the per-layer sums, the
 sweeps' winners).
@@ -38,6 +49,8 @@ sweeps' winners).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 from functools import partial
 
@@ -46,6 +59,7 @@ from graph_timing import replay_us
 
 from pagedllm.ops import reference as ref
 from pagedllm.ops import triton_fp8 as tf
+from pagedllm.ops import triton_gemv as gemv_bf16
 from pagedllm.ops import triton_impl as tri
 from pagedllm.ops.triton_act import silu_and_mul
 
@@ -71,7 +85,7 @@ MODELS = {  # name, N, K, act; layers
     ),
 }
 ROWS = (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096)
-METHODS = ("bf16", "fp8", "scaled_mm", "tri_gemm", "blk", "blk_smm")
+METHODS = ("bf16", "fp8", "tc_gemv", "scaled_mm", "tri_gemm", "blk", "blk_smm")
 
 
 def copies_for(nbytes: int) -> int:
@@ -114,7 +128,12 @@ def blk_smm_call(x, w, s, act):
 
 
 def gemv_call(x, w, s, act, config):
+    s = ref.check_fp8_weight(w, s, None)
     return tf.gemv(x, w, s, act="silu" if act else None, config=config)
+
+
+def w8_call(x, w, s, act, config):
+    return gemv_bf16.gemv(x, w, glu=bool(act), scale=s, config=config)
 
 
 def time_or_none(fn, weights) -> float | None:
@@ -146,11 +165,14 @@ def measure(shapes, rows_list, layers) -> tuple[list[dict], dict]:
             us = {
                 "bf16": time_or_none(partial(bf16_call, x, act=act), bf16),
                 "fp8": time_or_none(partial(fp8_call, x, act=act), fp8),
+                "tc_gemv": None,
                 "scaled_mm": time_or_none(partial(scaled_mm_call, x, act=act), fp8),
                 "tri_gemm": None,
                 "blk": time_or_none(partial(fp8_call, x, act=act, block_size=(128, 128)), blk),
                 "blk_smm": None,
             }
+            if t <= tf.GEMV_MAX_ROWS:
+                us["tc_gemv"] = time_or_none(partial(gemv_call, x, act=act, config=None), fp8)
             if t > tf.GEMV_MAX_ROWS:
                 us["tri_gemm"] = time_or_none(partial(tri_gemm_call, x, act=act), fp8)
                 us["blk_smm"] = time_or_none(partial(blk_smm_call, x, act=act), blk)
@@ -228,6 +250,64 @@ def sweep_gemv(shapes) -> dict:
     return best
 
 
+def sweep_w8(shapes) -> dict:
+    best = {}
+    print("\nweight-only GEMV sweep: us at T = 1")
+    for name, n, k, act in shapes:
+        wq, s = ref.quantize_fp8(torch.randn(n, k, device="cuda") * k**-0.5)
+        fp8 = [(wq, s)] + [(wq.clone(), s.clone()) for _ in range(copies_for(wq.nbytes) - 1)]
+        x1 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        timed = []
+        for block_n in (1, 2, 4):
+            for block_k in (1024, 2048, 4096):
+                for warps in (4, 8):
+                    if block_n * block_k > 64 * 32 * warps or block_k > k or (act and block_n < 2):
+                        continue  # > 64 float32 accumulators a thread
+                    cfg = (block_n, block_k, warps)
+                    t1 = time_or_none(partial(w8_call, x1, act=act, config=cfg), fp8)
+                    if t1:
+                        timed.append((t1, cfg))
+        timed.sort()
+        for t1, cfg in timed[:4]:
+            print(f"  {name:<9}{str(cfg):<18}T=1 {t1:7.1f} us ({n * k / t1 / 1e3:5.0f} GB/s)")
+        t1, cfg = timed[0]
+        best[f"{n}x{k}"] = {"config": list(cfg), "t1_us": t1}
+        del fp8
+        torch.cuda.empty_cache()
+    print("W8A16_CONFIGS entries:", {tuple(map(int, key.split("x"))): tuple(v["config"])
+                                    for key, v in best.items()})  # fmt: skip
+    return best
+
+
+def e2e(presets: list[str], workloads: list[str], alternate: bool) -> list[dict]:
+    """`pagedllm bench W --quantization fp8` per preset and workload, in this
+    process (so with the configs installed here); with `alternate`, the
+    weight-only GEMV off then on, twice."""
+    from pagedllm.bench.cli import bench_main
+
+    out = []
+    tuned = tf.W8A16_MAX_ROWS
+    for preset in presets:
+        for w in workloads:
+            for round_, rows in enumerate((0, tuned, 0, tuned) if alternate else (tuned,)):
+                tf.W8A16_MAX_ROWS = rows
+                path = f"/tmp/fp8_e2e_{preset}_{w}_{round_}.json"
+                argv = [w, "--preset", preset, "--load-format", "dummy", "--device", "cuda"]
+                argv += ["--dtype", "bfloat16", "--quantization", "fp8", "--peer", "none"]
+                with contextlib.redirect_stdout(io.StringIO()):
+                    rc = bench_main(argv + ["--json", path])
+                r = json.load(open(path)) if rc == 0 else {}
+                label = "weight-only" if rows else "tensor-core"
+                print(
+                    f"{preset:<14} {w:<11} {label:<12} tok/s {r.get('tokens_per_s') or 0:9.1f}"
+                    f"  ttft {r.get('ttft_ms') or 0:7.2f} ms"
+                )
+                out.append({"preset": preset, "workload": w, "w8a16_max_rows": rows, **r})
+                torch.cuda.empty_cache()
+    tf.W8A16_MAX_ROWS = tuned
+    return out
+
+
 def sweep_gemm(shapes) -> dict:
     best = {}
     print("\nTriton GEMM sweep at T = 1,024: per channel, then 128 x 128 blocks")
@@ -262,6 +342,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="*", default=list(ROWS))
     ap.add_argument("--only", nargs="*", default=[], help="shapes whose name has a word")
     ap.add_argument("--sweep", action="store_true", help="the GEMV's configs at T = 1, 16")
+    ap.add_argument("--w8-sweep", action="store_true", help="the weight-only GEMV at T = 1")
+    ap.add_argument("--e2e", nargs="*", default=[], help="presets: bench after --w8-sweep")
+    ap.add_argument("--e2e-workloads", nargs="*", default=["latency"])
+    ap.add_argument("--load-configs", nargs="*", help="take --w8-sweep's winners from these")
     ap.add_argument("--gemm-sweep", action="store_true", help="the GEMM's tiles at T = 1,024")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -272,6 +356,17 @@ def main() -> None:
     rows, per_t = measure(shapes, args.rows, layers)
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     record.update(model=args.model, rows=rows, per_layer_ms={str(t): v for t, v in per_t.items()})
+    if args.load_configs:  # earlier runs' --json: their w8_sweep's winners
+        record["w8_sweep"] = {}
+        for path in args.load_configs:
+            with open(path) as f:
+                record["w8_sweep"].update(json.load(f)["w8_sweep"])
+    elif args.w8_sweep:
+        record["w8_sweep"] = sweep_w8(shapes)
+    for key, v in record.get("w8_sweep", {}).items():
+        tf.W8A16_CONFIGS[tuple(map(int, key.split("x")))] = tuple(v["config"])
+    if args.e2e:
+        record["e2e"] = e2e(args.e2e, args.e2e_workloads, alternate=not args.load_configs)
     if args.sweep:
         record["gemv_sweep"] = sweep_gemv(shapes)
     if args.gemm_sweep:

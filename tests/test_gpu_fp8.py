@@ -4,9 +4,15 @@ through the FP8 kernels, against float32 references on the CPU.
 References: transformers' LlamaForCausalLM loading the dequantized weights
 (tests/fp8_checkpoints.py), or, for `quantization="fp8"`, the float32 model
 itself. The GPU kernels also quantize each activation row to e4m3 (3 mantissa
-bits) and the model runs in bf16, so the logits are compared within 5 % of
-their largest magnitude, the greedy choice wherever the reference's top two
-are apart by more than that error, and greedy decoding by its first tokens.
+bits) and the model runs in bf16, so the logits are compared by their relative
+(norm) error, within 15 %, and their largest error, within 25 % of the largest
+|logit|; the greedy choice wherever the reference's top two are apart by more
+than that error; and each greedy token by the reference's logits for it,
+fed the same tokens. (These random tiny
+models are sensitive: rounding the weights of the 2-layer one to e4m3 alone,
+in float32 on the CPU, moves its logits by 7.9 % in norm and its largest
+logit error is 10.3 % of the largest logit; the first GPU run, 2026-12-05,
+measured 9-15 % largest errors against the 5 % first set here.)
 Run on the GPU machine: `python3 -m pytest -q -m gpu tests/test_gpu_fp8.py`.
 """
 
@@ -24,7 +30,7 @@ from fp8_checkpoints import (
     per_tensor,
     write_fp8_checkpoint,
 )
-from tiny_models import greedy, hf_greedy, make_tiny_llama
+from tiny_models import greedy, make_tiny_llama
 
 pytestmark = pytest.mark.gpu
 
@@ -39,7 +45,8 @@ SHAPE = dict(
     num_key_value_heads=2,
     vocab_size=512,
 )
-REL = 0.05  # of the largest |logit|: bf16 activations rounded to e4m3 per row
+NORM_REL = 0.15  # relative norm error of the logits
+MAX_REL = 0.25  # the largest error, of the largest |logit|
 CASES = {
     # name: (quantization_config, quantize(name, w), scale name, static input scales)
     "ct-channel": (ct_config("channel"), lambda n, w: per_channel(w), "weight_scale", False),
@@ -64,20 +71,33 @@ def prompts(n: int = 4) -> list[list[int]]:
 
 
 def check_logits(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Within REL of the largest |logit|; the same argmax wherever the reference's
-    top two are further apart than that."""
+    """Within NORM_REL in norm and MAX_REL of the largest |logit| at worst; the
+    same argmax wherever the reference's top two are further apart than that."""
     got, want = got.float().cpu(), want.float().cpu()
     err = (got - want).abs().max().item()
     scale = want.abs().max().item()
-    assert err < REL * scale, (err, scale)
+    norm_rel = ((got - want).norm() / want.norm()).item()
+    assert norm_rel < NORM_REL and err < MAX_REL * scale, (norm_rel, err, scale)
     top2 = want.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 2 * err
     assert clear.any()
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    return err
 
 
-def agreeing_prefixes(outs, refs, n: int) -> int:
-    return sum(list(o.token_ids[:n]) == r[:n] for o, r in zip(outs, refs))
+def check_greedy(outs, reference, margin: float) -> None:
+    """Each token the engine chose greedily (paged K/V, CUDA graphs, the FP8
+    kernels at one row and at several) is one the reference, fed the same tokens,
+    rates within `margin` of its best at that step. (Comparing whole greedy runs
+    would not do: these random models' top two logits are often closer than the
+    FP8 error, and one different choice changes every later token.)"""
+    for prompt, out in zip(prompts(), outs):
+        ids = list(prompt) + list(out.token_ids)
+        with torch.no_grad():
+            logits = reference(torch.tensor([ids])).logits[0, len(prompt) - 1 : -1].float()
+        chosen = logits.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        short = logits.max(dim=1).values - chosen
+        assert (short <= margin).all(), (out.token_ids, short.tolist(), margin)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -102,12 +122,10 @@ def test_fp8_checkpoint_on_the_gpu_matches_its_dequantized_reference(tmp_path, c
     ids = prompts()[3]
     with torch.no_grad():
         want = reference(torch.tensor([ids])).logits[0]
-    check_logits(model.forward_logits(ids), want)
+    err = check_logits(model.forward_logits(ids), want)
 
     llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=8)
-    outs = llm.generate(prompts(), greedy(16))
-    refs = [hf_greedy(reference, p, 16) for p in prompts()]
-    assert agreeing_prefixes(outs, refs, 8) >= 3, [(o.token_ids, r) for o, r in zip(outs, refs)]
+    check_greedy(llm.generate(prompts(), greedy(16)), reference, 2 * err)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
@@ -139,10 +157,8 @@ def test_quantization_fp8_on_the_gpu(tmp_path, kv_cache_dtype):
     ids = prompts()[3]
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0]
-    check_logits(model.forward_logits(ids), want)
-    outs = llm.generate(prompts(), greedy(16))
-    refs = [hf_greedy(hf, p, 16) for p in prompts()]
-    assert agreeing_prefixes(outs, refs, 8) >= 3, [(o.token_ids, r) for o, r in zip(outs, refs)]
+    err = check_logits(model.forward_logits(ids), want)
+    check_greedy(llm.generate(prompts(), greedy(16)), hf, 2 * err)
 
 
 def test_llama_70b_dummy_fp8_loads_on_one_gpu():

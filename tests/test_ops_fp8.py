@@ -162,10 +162,12 @@ SCALES = [None, (32, 64)]
 @needs_interpreter
 @pytest.mark.parametrize("block_size", SCALES, ids=["channel", "block32x64"])
 @pytest.mark.parametrize("rows", [1, 3, 16])
-def test_gemv_matches_the_quantized_oracle_and_the_reference(block_size, rows):
+def test_gemv_matches_the_quantized_oracle_and_the_reference(monkeypatch, block_size, rows):
     """The GEMV (T <= 16, through the op): with a bias, and act_and_mul with SiLU
     (T = 3: GeGLU); x quantized per row and chunk of 64 columns (BLOCK_K 128
-    halved to divide bs1) or 128 (per channel)."""
+    halved to divide bs1) or 128 (per channel). (One row with per-channel scales
+    goes weight-only by default: off here, see the next test.)"""
+    monkeypatch.setattr(tf, "W8A16_MAX_ROWS", 0)
     gen = torch.Generator().manual_seed(rows)
     w, s = ref.quantize_fp8(torch.randn(150, 300, generator=gen), block_size)
     x = torch.randn(rows, 300, generator=gen)
@@ -182,6 +184,32 @@ def test_gemv_matches_the_quantized_oracle_and_the_reference(block_size, rows):
     assert got.shape == (rows, 75)
     assert rel_err(got, quantized_oracle(x, w2, s2, block_size, group, act=act)) < 1e-5
     assert rel_err(got, reference_op(x, w2, s2, block_size, act=act)) < ACT_QUANT_TOL
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_per_channel_is_weight_only(dtype):
+    """One row of x with per-channel scales: the bf16 GEMV (ops/triton_gemv.py)
+    reads the float8 W, x not quantized, each row's float32 sum times its scale:
+    the reference to float32 summation order (one rounding to bf16 in bf16), with
+    a bias, and with SwiGLU / GeGLU in the epilogue."""
+    gen = torch.Generator().manual_seed(11)
+    w, s = ref.quantize_fp8(torch.randn(150, 300, generator=gen))
+    x = torch.randn(1, 300, generator=gen).to(dtype)
+    bias = torch.randn(150, generator=gen).to(dtype)
+    tol = 1e-6 if dtype == torch.float32 else 2**-8
+    got = tf.fp8_linear(x, w, s, bias=bias)
+    assert got.shape == (1, 150) and got.dtype == dtype
+    assert rel_err(got, reference_op(x, w, s, None, bias)) < tol
+    assert rel_err(got, quantized_oracle(x, w, s, None, 128, bias)) > 0.01  # x not quantized
+    w2, s2 = ref.quantize_fp8(torch.randn(2 * 75, 300, generator=gen))
+    for act in ("silu", "gelu_tanh"):
+        got = tf.fp8_linear_act_and_mul(x, w2, s2, act)
+        assert got.shape == (1, 75)
+        assert rel_err(got, reference_op(x, w2, s2, None, act=act)) < 2 * tol
+    # Block scales, or a second row, take the tensor-core GEMV: x quantized.
+    x2 = torch.cat([x, x]).float()
+    assert rel_err(tf.fp8_linear(x2, w, s)[:1], quantized_oracle(x2, w, s, None, 128)[:1]) < 1e-5
 
 
 @needs_interpreter

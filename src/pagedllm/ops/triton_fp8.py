@@ -71,6 +71,7 @@ import triton.language as tl
 
 from pagedllm.ops import (
     reference,
+    triton_gemv,
     triton_interpret_fix,  # noqa: F401  (CPU interpreter: float8 casts, dots)
 )
 from pagedllm.ops.triton_act import activation, gelu_tanh_and_mul, silu_and_mul
@@ -81,6 +82,36 @@ FP8_MAX = reference.FP8_MAX
 
 # x rows up to which the FP8 GEMV serves; beyond, the GEMM paths.
 GEMV_MAX_ROWS = 16
+# x rows up to which a per-channel FP8 weight multiplies weight-only ("W8A16"): the
+# bf16 GEMV of ops/triton_gemv.py reading float8 W, converting it on the CUDA cores
+# and scaling each row's float32 sum, x not quantized (so exactly
+# `reference.fp8_linear`, up to summation order). At one row the projection is
+# W's bytes and nothing else: measured on the H200 (scripts/bench_fp8.py,
+# 2026-12-05) the tensor-core GEMV below read the 8B's layers at 45 % of the HBM
+# rate (3.13-3.23 ms a token against a 1.45 ms floor), its per-chunk quantization
+# of x and its wgmma's 64-row minimum on the critical path of every 8 KB chunk;
+# this one at 63 % (2.29 ms), and the 8B decodes at 344 tok/s against 253.
+# At 16 rows the tensor-core GEMV is as fast as at one (2.62 ms): past one row
+# a CUDA-core GEMV pays per row. 0 turns it off.
+W8A16_MAX_ROWS = 1
+# (BLOCK_N, BLOCK_K, num_warps) of that GEMV per FP8 weight shape (N, K): see
+# `triton_gemv.CONFIGS`; scripts/bench_fp8.py --w8-sweep times a grid.
+# Measured at T = 1 on the H200, 2026-12-05 (scripts/bench_fp8.py --w8-sweep, us per
+# call, in a CUDA graph over weights that miss L2; the tensor-core GEMV beside it):
+# 8B q/k/v 10.3 (15.5), o_proj 7.6 (11.4), gate/up + SwiGLU 34.8 (42.8), down 18.9
+# (28.0): 2.29 ms a token over 32 layers against 3.13 ms (floor 1.45 ms at 4.8 TB/s).
+# 70B (--model 70b): q/k/v 26.4, o_proj 21.8, gate/up 121.0, down 68.8 us.
+W8A16_DEFAULT_CONFIG = (2, 2048, 4)
+W8A16_CONFIGS: dict[tuple[int, int], tuple[int, int, int]] = {
+    (6144, 4096): (2, 1024, 4),  # Llama-3.1-8B q/k/v
+    (4096, 4096): (4, 1024, 4),  # o_proj
+    (28672, 4096): (4, 1024, 4),  # gate/up + SwiGLU
+    (4096, 14336): (2, 2048, 4),  # down
+    (10240, 8192): (2, 2048, 4),  # Llama-3.1-70B q/k/v
+    (8192, 8192): (2, 2048, 4),  # o_proj
+    (57344, 8192): (4, 1024, 4),  # gate/up + SwiGLU
+    (8192, 28672): (2, 2048, 4),  # down
+}
 # Whether T > GEMV_MAX_ROWS with per-channel scales goes to torch._scaled_mm (where
 # it can) rather than the Triton GEMM: scripts/bench_fp8.py times both.
 USE_SCALED_MM = True
@@ -687,6 +718,23 @@ def _interpreted() -> bool:
     return not isinstance(_gemv_kernel, triton.runtime.jit.JITFunction)
 
 
+def _w8a16(x: torch.Tensor, block_size, bias: torch.Tensor | None) -> bool:
+    """Whether `W8A16_MAX_ROWS`' weight-only GEMV takes this product: per-channel
+    scales, few rows, a bias (if any) in x's dtype."""
+    return (
+        block_size is None
+        and 0 < x.shape[0] <= W8A16_MAX_ROWS
+        and (bias is None or (bias.dtype == x.dtype and bias.dim() == 1))
+    )
+
+
+def w8a16_config(weight: torch.Tensor, glu: bool = False) -> tuple[int, int, int]:
+    block_n, block_k, warps = W8A16_CONFIGS.get(tuple(weight.shape), W8A16_DEFAULT_CONFIG)
+    if glu and block_n % 2:
+        block_n += 1  # gate and up rows side by side
+    return block_n, block_k, warps
+
+
 def _scaled_mm_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (
         USE_SCALED_MM
@@ -742,6 +790,8 @@ def fp8_linear(
     """See `reference.fp8_linear`; x is quantized per token (see the module's
     docstring): the GEMV for T <= 16, else `torch._scaled_mm` or the Triton GEMM."""
     x, weight, scale, block_size = _prepared(x, weight, weight_scale, bias, block_size)
+    if _w8a16(x, block_size, bias):
+        return triton_gemv.gemv(x, weight, bias=bias, scale=scale, config=w8a16_config(weight))
     if x.shape[0] <= GEMV_MAX_ROWS:
         return gemv(x, weight, scale, block_size=block_size, bias=bias)
     if block_size is None and _scaled_mm_ok(x, weight, bias):
@@ -774,6 +824,10 @@ def fp8_linear_act_and_mul(
     if weight.dim() == 2 and weight.shape[0] % 2:
         raise ValueError(f"gate/up weight with {weight.shape[0]} rows: expected [gate | up], even")
     x, weight, scale, block_size = _prepared(x, weight, weight_scale, None, block_size)
+    if _w8a16(x, block_size, None):
+        return triton_gemv.gemv(
+            x, weight, glu=True, act=act, scale=scale, config=w8a16_config(weight, glu=True)
+        )
     if x.shape[0] <= GEMV_MAX_ROWS:
         return gemv(x, weight, scale, block_size=block_size, act=act)
     y = fp8_linear(x, weight, scale, block_size=block_size)

@@ -69,6 +69,7 @@ def _gemv_kernel(
     w_ptr,  # (N, K), rows contiguous; with GLU, N = 2I laid out [gate | up]
     out_ptr,  # (M, N), or (M, N / 2) with GLU
     b_ptr,  # HAS_BIAS: (N,), added to the sums before their rounding
+    s_ptr,  # HAS_SCALE: (N,) float32, each row's sum times its scale (FP8 weights)
     N,
     K,
     stride_x,
@@ -81,6 +82,7 @@ def _gemv_kernel(
     PDL: tl.constexpr,  # launched as a programmatic dependent of the kernel before it
     ACT: tl.constexpr = "silu",  # with GLU: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     HAS_BIAS: tl.constexpr = False,  # not with GLU
+    HAS_SCALE: tl.constexpr = False,
 ):
     pdl_start(PDL)  # ops/triton_pdl.py
     pid = tl.program_id(0)
@@ -111,6 +113,8 @@ def _gemv_kernel(
         w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)  # (BLOCK_N,)
+    if HAS_SCALE:
+        y *= tl.load(s_ptr + rows, mask=row_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
@@ -134,6 +138,7 @@ def gemv(
     pdl: bool | None = None,
     act: str = "silu",
     bias: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x (M, K) -> (M, N) = x @ weight.T, weight (N, K); with `glu`, weight is
     (2I, K) laid out [gate | up] and the result (M, I) is act(x @ gate.T) *
@@ -141,7 +146,10 @@ def gemv(
     num_warps), default `config_for(N, K)`; BLOCK_N is rows of W per program
     (even with `glu`). `pdl`: launch as a programmatic dependent
     (ops/triton_pdl.py); None: `use_pdl(x)`. `bias` (N,), without `glu`: added
-    to the float32 sums before they are rounded (as `reference.linear`)."""
+    to the float32 sums before they are rounded (as `reference.linear`).
+    `scale` (N,) float32: each row's float32 sum is multiplied by its scale
+    first, so a float8 weight with one scale per output channel multiplies as
+    `reference.fp8_linear` (x not quantized: ops/triton_fp8.py, weight-only)."""
     if act not in ACTIVATIONS:
         raise ValueError(f"activation {act!r}: choose one of {', '.join(ACTIVATIONS)}")
     if bias is not None and glu:
@@ -166,6 +174,7 @@ def gemv(
         weight,
         out,
         bias if bias is not None else weight,  # a dummy when there is none
+        scale if scale is not None else weight,
         n,
         k,
         x.stride(0),
@@ -178,6 +187,7 @@ def gemv(
         PDL=pdl,
         ACT=act,
         HAS_BIAS=bias is not None,
+        HAS_SCALE=scale is not None,
         num_warps=warps,
         launch_pdl=pdl,
     )
