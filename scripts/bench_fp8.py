@@ -258,11 +258,11 @@ def sweep_w8(shapes) -> dict:
         fp8 = [(wq, s)] + [(wq.clone(), s.clone()) for _ in range(copies_for(wq.nbytes) - 1)]
         x1 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         timed = []
-        for block_n in (1, 2, 4):
-            for block_k in (1024, 2048, 4096):
+        for block_n in (2, 4, 8, 16):
+            for block_k in (512, 1024, 2048):
                 for warps in (4, 8):
-                    if block_n * block_k > 64 * 32 * warps or block_k > k or (act and block_n < 2):
-                        continue  # > 64 float32 accumulators a thread
+                    if not 16 * 32 * warps <= block_n * block_k <= 64 * 32 * warps:
+                        continue  # 16 to 64 float32 accumulators a thread
                     cfg = (block_n, block_k, warps)
                     t1 = time_or_none(partial(w8_call, x1, act=act, config=cfg), fp8)
                     if t1:
