@@ -371,14 +371,17 @@ def _run(args: argparse.Namespace, config: EngineConfig, argv: list[str]) -> int
         # The model is loaded: the engine gets it, not its path, device or dtype.
         settings = engine_kwargs(config, without=("model", "device", "dtype"))
     _log(f"loaded {spec.describe()} in {time.perf_counter() - t0:.1f} s on {model.device}")
+    from pagedllm.model.loader import holds_fp8_weights
+
     vocab = model.config.vocab_size
     work, warmup = _workload(args, vocab), workloads.warmup_workload(vocab)
     context: dict[str, Any] = {
         "commit": machine.git_commit(),
         "device": machine.device_name(model.device),
         "dtype": str(model.dtype).removeprefix("torch."),
-        # a CPU GGUF's weights kept quantized (model/cpu_packed.py), else the dtype's
-        "weights": "packed" if model.packed else "dense",
+        # a CPU GGUF's weights kept quantized (model/cpu_packed.py), FP8 projections
+        # (a checkpoint's or --quantization fp8, on CUDA), else the dtype's
+        "weights": "packed" if model.packed else "fp8" if holds_fp8_weights(model) else "dense",
         "threads": threads,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "model": spec.describe(),
