@@ -10,7 +10,9 @@ it, down; `--model 70b` for Llama-3.1-70B's) and each row count T, times:
   kernel + `torch._scaled_mm` row-wise beyond);
 - `tc_gemv`: the tensor-core GEMV (x quantized per chunk) at every T <= 16;
 - `scaled_mm`: x's quantization + `torch._scaled_mm` at every T (at T <= 16 too,
-  against the GEMV), then SwiGLU for gate/up;
+  against the GEMV), then SwiGLU for gate/up (FP8 fast accumulation as
+  `SCALED_MM_FAST_ACCUM` says); `smm_exact`: the same without fast
+  accumulation (T > 16);
 - `tri_gemm`: the Triton FP8 GEMM, per channel (T > 16);
 - `blk`: 128 x 128 block scales as dispatched (the GEMV, or the Triton GEMM);
 - `blk_smm`: torch's block-wise `scaled_mm` (1 x 128 x, 128 x 128 W; needs
@@ -85,7 +87,7 @@ MODELS = {  # name, N, K, act; layers
     ),
 }
 ROWS = (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096)
-METHODS = ("bf16", "fp8", "tc_gemv", "scaled_mm", "tri_gemm", "blk", "blk_smm")
+METHODS = ("bf16", "fp8", "tc_gemv", "scaled_mm", "smm_exact", "tri_gemm", "blk", "blk_smm")
 
 
 def copies_for(nbytes: int) -> int:
@@ -112,8 +114,8 @@ def fp8_call(x, w, s, act, block_size=None):
     return tf.fp8_linear(x, w, s, block_size=block_size)
 
 
-def scaled_mm_call(x, w, s, act):
-    y = tf.scaled_mm(x, w, s)
+def scaled_mm_call(x, w, s, act, fast=None):
+    y = tf.scaled_mm(x, w, s, use_fast_accum=fast)
     return silu_and_mul(y) if act else y
 
 
@@ -167,6 +169,7 @@ def measure(shapes, rows_list, layers) -> tuple[list[dict], dict]:
                 "fp8": time_or_none(partial(fp8_call, x, act=act), fp8),
                 "tc_gemv": None,
                 "scaled_mm": time_or_none(partial(scaled_mm_call, x, act=act), fp8),
+                "smm_exact": None,
                 "tri_gemm": None,
                 "blk": time_or_none(partial(fp8_call, x, act=act, block_size=(128, 128)), blk),
                 "blk_smm": None,
@@ -174,6 +177,7 @@ def measure(shapes, rows_list, layers) -> tuple[list[dict], dict]:
             if t <= tf.GEMV_MAX_ROWS:
                 us["tc_gemv"] = time_or_none(partial(gemv_call, x, act=act, config=None), fp8)
             if t > tf.GEMV_MAX_ROWS:
+                us["smm_exact"] = time_or_none(partial(scaled_mm_call, x, act=act, fast=False), fp8)
                 us["tri_gemm"] = time_or_none(partial(tri_gemm_call, x, act=act), fp8)
                 us["blk_smm"] = time_or_none(partial(blk_smm_call, x, act=act), blk)
             want = (ref.linear_silu_and_mul if act else ref.linear)(

@@ -115,6 +115,12 @@ W8A16_CONFIGS: dict[tuple[int, int], tuple[int, int, int]] = {
 # Whether T > GEMV_MAX_ROWS with per-channel scales goes to torch._scaled_mm (where
 # it can) rather than the Triton GEMM: scripts/bench_fp8.py times both.
 USE_SCALED_MM = True
+# `torch._scaled_mm`'s FP8 fast accumulation: Hopper's FP8 tensor cores sum each
+# K-step in a narrower accumulator, and without it the kernel promotes the partial
+# sums to float32 every few steps, at a cost in speed. vLLM's sm_90 CUTLASS FP8
+# kernels use fast accumulation; tests/test_gpu_fp8_ops.py bounds its error
+# (within 1e-2 of the float32 product of the same quantized x, against 5e-3 without).
+SCALED_MM_FAST_ACCUM = True
 # Whether T > GEMV_MAX_ROWS with 128 x 128 block scales goes to torch's block-wise
 # scaled_mm (`scaled_mm_blockwise`) rather than the Triton GEMM; off until measured.
 USE_SCALED_MM_BLOCKWISE = False
@@ -664,12 +670,15 @@ def scaled_mm(
     weight_scale: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
-    use_fast_accum: bool = False,
+    use_fast_accum: bool | None = None,
 ) -> torch.Tensor:
     """`fp8_linear` with per-channel scales by `torch._scaled_mm` (CUDA, bf16 x, K and
     N multiples of 16): x quantized per row, then cuBLASLt's (or CUTLASS's) FP8 GEMM
     with row-wise scales, x's (T, 1) and W's (1, N). W (N, K) row-major is the
-    column-major (K, N) operand it wants, as it is: no copy."""
+    column-major (K, N) operand it wants, as it is: no copy. `use_fast_accum`: None
+    is `SCALED_MM_FAST_ACCUM`."""
+    if use_fast_accum is None:
+        use_fast_accum = SCALED_MM_FAST_ACCUM
     xq, xs = quantize_activations(x, None)
     return torch._scaled_mm(
         xq,
