@@ -29,11 +29,14 @@ pytest.importorskip("llguidance", reason="pip install llguidance")
 from pagedllm.structured import (  # noqa: E402
     ConstraintCache,
     StructuredOutput,
+    advance_matchers,
     bitmask_words,
     constraint_cache,
     fill_bitmask,
     tokenizer_adapter,
 )
+from pagedllm.structured import bitmask as bitmask_module  # noqa: E402
+from pagedllm.structured import matcher as matcher_module  # noqa: E402
 from pagedllm.structured.bitmask import allocate_bitmask, apply_bitmask  # noqa: E402
 
 # The model's embedding is wider than the tokenizer (as many checkpoints pad
@@ -281,6 +284,137 @@ def test_rollback(tok, cache):
     assert np.array_equal(row_before, row_after)
 
 
+def walk(cache, matchers, seed, steps):
+    """Per step, each matcher's next token: a seeded draw among its allowed ids."""
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        tokens = []
+        for m in matchers:
+            row = np.zeros(cache.adapter.words, np.int32)
+            m.allowed(row)
+            tokens.append(int(rng.choice(allowed_ids(row))))
+        yield tokens
+
+
+def test_batched_advance_equals_one_by_one(tok, cache):
+    """`advance_matchers` (what the engine calls once per step) leaves every matcher
+    where `advance` one at a time does: same answers, masks, ends and errors."""
+    constraints = [StructuredOutput(json=s, whitespace="compact") for _, s in SCHEMAS[:4]]
+    constraints.append(StructuredOutput(choice=["yes", "no"]))
+    batched = [cache.matcher(c) for c in constraints]
+    single = [cache.matcher(c) for c in constraints]
+    for tokens in walk(cache, single, seed=3, steps=6):
+        want = [m.advance(t) for m, t in zip(single, tokens)]
+        assert advance_matchers(batched, tokens) == want
+    # a token the constraint rejects: the same error state both ways
+    bad = tok.encode("}")[0]
+    assert advance_matchers(batched[:1], [bad]) == [single[0].advance(bad)]
+    for a, b in zip(batched, single):
+        ra, rb = np.zeros(cache.adapter.words, np.int32), np.zeros(cache.adapter.words, np.int32)
+        a.allowed(ra)
+        b.allowed(rb)
+        assert np.array_equal(ra, rb)
+        assert (a.is_finished, a.can_end, a.error) == (b.is_finished, b.can_end, b.error)
+    with pytest.raises(ValueError, match="2 matchers but 1 tokens"):
+        advance_matchers(batched[:2], [1])
+
+
+class CountingExecutor:
+    """llguidance's executor, counting the rows it computes."""
+
+    def __init__(self):
+        import llguidance
+
+        self.real = llguidance.LLExecutor()
+        self.rows = 0
+
+    def unsafe_compute_mask_ptr(self, live, *args):
+        self.rows += len(live)
+        return self.real.unsafe_compute_mask_ptr(live, *args)
+
+
+def test_fill_bitmask_computes_a_shared_state_once(tok, cache, monkeypatch):
+    """Matchers of one compiled constraint that consumed the same tokens share a
+    mask (computed once, copied); the same tokens under another constraint, or
+    other tokens under the same one, do not. Every row equals its own fill."""
+    person = StructuredOutput(json=SCHEMAS[0][1], whitespace="compact")
+    other = StructuredOutput(json=SCHEMAS[1][1], whitespace="compact")
+    start = tok.encode('{"')
+    same = [cache.matcher(person) for _ in range(4)]
+    for m in same:
+        assert all(m.advance(t) for t in start)
+    elsewhere = cache.matcher(other)
+    assert all(elsewhere.advance(t) for t in start)
+    fresh = cache.matcher(person)  # at the start: a different state
+    rolled = cache.matcher(person)  # one token further, rolled back: the same as `same`
+    assert all(rolled.advance(t) for t in start)
+    row = np.zeros(cache.adapter.words, np.int32)
+    rolled.allowed(row)
+    assert rolled.advance(int(allowed_ids(row)[0]))
+    rolled.rollback(1)
+    rows = [(0, same[0]), (1, elsewhere), (2, same[1]), (3, fresh), (5, same[2])]
+    rows += [(6, rolled), (7, same[3])]
+    spy = CountingExecutor()
+    monkeypatch.setattr(matcher_module, "_executor", spy)
+    bitmask = allocate_bitmask(8, cache.adapter.vocab_size, pin=False)
+    fill_bitmask(bitmask, rows)
+    assert spy.rows == 3  # `same` and `rolled` once, `elsewhere`, `fresh`
+    for i, m in rows:
+        one = np.zeros(cache.adapter.words, np.int32)
+        m.allowed(one)
+        assert np.array_equal(bitmask[i].numpy(), one), i
+    assert (bitmask[4] == -1).all()
+    # once their tokens differ, each is computed again
+    while len(allowed_ids(bitmask[0].numpy())) < 2:  # forced bytes: one way on
+        t = int(allowed_ids(bitmask[0].numpy())[0])
+        assert same[0].advance(t) and same[1].advance(t)
+        fill_bitmask(bitmask, [(0, same[0])])
+    a, b = allowed_ids(bitmask[0].numpy())[:2]
+    assert same[0].advance(int(a)) and same[1].advance(int(b))
+    spy.rows = 0
+    fill_bitmask(bitmask, [(0, same[0]), (1, same[1])])
+    assert spy.rows == 2
+
+
+def test_the_tokenizer_callback_remembers_texts(tok, monkeypatch):
+    """llguidance asks for the same forced texts in every request of a schema:
+    our encoder runs once per text (the answers equal it), and a full memo starts
+    again rather than grow."""
+    tokenize = matcher_module._Tokenize(tok, [], list(tok.eos_token_ids))
+    calls = []
+    real = tok.encode
+
+    def counting(text, **kw):
+        calls.append(text)
+        return real(text, **kw)
+
+    monkeypatch.setattr(tok, "encode", counting)
+    texts = ['"name":"', '","age":', '"name":"']
+    assert [tokenize(t) for t in texts] == [real(t, allow_special=False) for t in texts]
+    assert calls == texts[:2]
+    monkeypatch.setattr(matcher_module, "_TOKENIZE_MEMO_SIZE", 2)
+    tokenize("x")
+    assert set(tokenize._memo) == {"x"}
+
+
+def test_masks_are_the_same_through_the_remembering_callback(tok, cache):
+    """Masks of forced text (which call the tokenizer) equal those of a new
+    adapter whose memo is empty, step after step: remembering changes nothing."""
+    constraint = StructuredOutput(json=SCHEMAS[0][1], whitespace="compact")
+    warm = [cache.matcher(constraint) for _ in range(2)]
+    cold = ConstraintCache(matcher_module.TokenizerAdapter(tok)).matcher(constraint)
+    rng = np.random.default_rng(9)
+    for _ in range(16):
+        rows = [np.zeros(cache.adapter.words, np.int32) for _ in range(3)]
+        for m, row in zip([*warm, cold], rows):
+            m.allowed(row)
+        assert np.array_equal(rows[0], rows[2]) and np.array_equal(rows[1], rows[2])
+        if cold.is_finished:
+            break
+        t = int(rng.choice(allowed_ids(rows[2])))
+        assert all(m.advance(t) for m in [*warm, cold])
+
+
 # ----------------------------------------------------------------- the cache
 
 
@@ -417,6 +551,47 @@ def test_apply_bitmask_against_a_loop(vocab, model_vocab):
     expected = reference_mask(logits, bitmask, rows)
     got = apply_bitmask(logits.clone(), bitmask, rows)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("vocab,model_vocab", [(70, 70), (70, 96), (100, 90)])
+def test_apply_bitmask_to_every_row_against_a_loop(vocab, model_vocab):
+    """rows=None: bitmask row i masks logits row i, every row (the runner's case
+    when the whole batch is constrained)."""
+    g = torch.Generator().manual_seed(vocab * model_vocab)
+    logits = torch.randn(3, model_vocab, generator=g)
+    words = bitmask_words(vocab)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=g, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)
+    last = vocab - 32 * (words - 1)
+    if last < 32:
+        bitmask[:, -1] &= (1 << last) - 1
+    expected = reference_mask(logits, bitmask, [0, 1, 2])
+    assert torch.equal(apply_bitmask(logits.clone(), bitmask, None), expected)
+
+
+@pytest.mark.parametrize("rows", [None, [4, 0, 2]])
+@pytest.mark.parametrize("vocab,model_vocab", [(70, 96), (3000, 3000), (4100, 4000)])
+def test_the_triton_mask_kernel_against_a_loop(vocab, model_vocab, rows):
+    """The one-kernel masking CUDA uses, run by Triton's interpreter on the CPU
+    (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU); several programs
+    per row when the vocabulary is wider than a block."""
+    pytest.importorskip("triton")
+    kernel = bitmask_module._triton_kernel()
+    g = torch.Generator().manual_seed(vocab + model_vocab)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = torch.randn(5, model_vocab, generator=g)
+    n = 5 if rows is None else len(rows)
+    words = bitmask_words(vocab)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (n, words), generator=g, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)
+    last = vocab - 32 * (words - 1)
+    if last < 32:
+        bitmask[:, -1] &= (1 << last) - 1
+    expected = reference_mask(logits, bitmask, range(n) if rows is None else rows)
+    got = logits.to(device)
+    index = None if rows is None else torch.tensor(rows, device=device)
+    bitmask_module._apply_triton(kernel, got, bitmask.to(device), index)
+    assert torch.equal(got.cpu(), expected)
 
 
 def devices():

@@ -23,6 +23,7 @@ is never advanced, only copied (`LLMatcher.deep_copy`, about a microsecond).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import weakref
@@ -37,6 +38,8 @@ from pagedllm.structured.constraint import StructuredOutput, one_line
 # lexer (kilobytes to a few MB for large schemas); 256 distinct schemas cover a
 # server's working set of tools and response formats.
 DEFAULT_CACHE_SIZE = 256
+# Texts the tokenizer callback remembers (a few hundred per schema in use).
+_TOKENIZE_MEMO_SIZE = 8192
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -100,14 +103,27 @@ class _Tokenize:
         self.special_token_ids = sorted(tokenizer.special_token_ids)
         self._tokenizer = tokenizer
         self.fallback: Any = None  # set once the LLTokenizer exists
+        self._memo: dict[str, list[int]] = {}
 
     def __call__(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise TypeError("text only")
+        # The texts repeat: a schema's forced keys and punctuation after one of a
+        # few last tokens, in every request of that schema. A hit costs a dict
+        # lookup under the GIL instead of our BPE (10-30 us): with the fill spread
+        # over many threads, each of those waits for the GIL, and on a 16-core
+        # host the waiting cost more than the masks (docs: structured/__init__.py).
+        ids = self._memo.get(text)
+        if ids is not None:
+            return ids
         try:
-            return self._tokenizer.encode(text, allow_special=False)
+            ids = self._tokenizer.encode(text, allow_special=False)
         except Exception:  # llguidance's own greedy tokenization (in Rust) instead
             return self.fallback(text) if self.fallback is not None else []
+        if len(self._memo) >= _TOKENIZE_MEMO_SIZE:
+            self._memo.clear()  # a new working set (other schemas): start again
+        self._memo[text] = ids
+        return ids
 
 
 _adapters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -162,7 +178,7 @@ class CompiledConstraint:
 
     def matcher(self) -> Matcher:
         """A fresh matcher at the start of the output (a copy: about a microsecond)."""
-        return Matcher(self._template.deep_copy(), self.adapter)
+        return Matcher(self._template.deep_copy(), self.adapter, self)
 
 
 class ConstraintCache:
@@ -256,14 +272,25 @@ class Matcher:
     end with an error (a token the constraint rejects: only possible if the
     sampled token ignored the mask). In the error state `allowed` allows EOS
     only, so a request that keeps stepping still ends.
+
+    A matcher remembers the tokens it consumed, so that `fill_bitmask` can tell
+    two matchers of one compiled constraint in the same state (the same tokens
+    so far) and compute their mask once: every request of a schema starts with
+    the same forced keys, and the first free token's mask (inside a bounded
+    string, a millisecond or more at Llama 3's vocabulary) is the same for all.
     """
 
-    __slots__ = ("_m", "adapter", "_error")
+    __slots__ = ("_m", "adapter", "_error", "_origin", "_tokens", "_hashes")
 
-    def __init__(self, ll_matcher: Any, adapter: TokenizerAdapter) -> None:
+    def __init__(self, ll_matcher: Any, adapter: TokenizerAdapter, origin: Any = None) -> None:
         self._m = ll_matcher
         self.adapter = adapter
         self._error: str | None = None
+        # The compiled constraint it was copied from (None: never shares a mask),
+        # the tokens consumed, and a running hash of them (hashes[-1]: all of them).
+        self._origin = origin
+        self._tokens: list[int] = []
+        self._hashes: list[int] = [0]
 
     def allowed(self, row: Any) -> None:
         """Fill `row`, a contiguous int32 CPU array (a torch tensor or a numpy array)
@@ -290,14 +317,30 @@ class Matcher:
             )
             return False
         if self._m.consume_token(token_id):
+            self._tokens.append(token_id)
+            self._hashes.append(hash((self._hashes[-1], token_id)))
             return True
         self._error = one_line(self._m.get_error()) or f"token {token_id} broke the constraint"
         return False
 
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last `num_tokens` advances (speculative decoding, preemption)."""
-        if num_tokens and not self._m.rollback(num_tokens):
+        """Undo the last `num_tokens` advances (speculative decoding, preemption, a failed step)."""
+        if not num_tokens:
+            return
+        if not self._m.rollback(num_tokens):
             raise ValueError(f"cannot roll back {num_tokens} tokens: {self._m.get_error()}")
+        del self._tokens[-num_tokens:]
+        del self._hashes[-num_tokens:]
+
+    def _same_state(self, other: Matcher) -> bool:
+        """Whether `other` is a copy of the same compiled constraint that consumed the
+        same tokens (so it allows the same ones next). Both without errors."""
+        return (
+            self._origin is not None
+            and self._origin is other._origin
+            and self._hashes[-1] == other._hashes[-1]
+            and self._tokens == other._tokens
+        )
 
     @property
     def can_end(self) -> bool:
@@ -312,6 +355,16 @@ class Matcher:
         if self._error is None and self._m.is_error():
             self._error = one_line(self._m.get_error())
         return self._error
+
+
+def advance_matchers(matchers: Sequence[Matcher], tokens: Sequence[int]) -> list[bool]:
+    """`matchers[i].advance(tokens[i])` for each i: one step of a batch's matchers
+    after its tokens reach the host. A consume is a few microseconds in Rust, so
+    one loop on the calling thread is cheaper than llguidance's thread pool
+    (`LLExecutor.consume_token_par`) at any batch a step holds."""
+    if len(matchers) != len(tokens):
+        raise ValueError(f"{len(matchers)} matchers but {len(tokens)} tokens")
+    return [m.advance(t) for m, t in zip(matchers, tokens)]
 
 
 def _row_pointer(row: Any) -> tuple[int, int]:
@@ -345,19 +398,23 @@ def fill_bitmask(bitmask: Any, rows: Sequence[tuple[int, Matcher]]) -> None:
     index of `bitmask` (a contiguous (batch, words) int32 CPU tensor or array)
     with that request's matcher. llguidance spreads the rows over its own
     threads (80 % of the cores, at most 32) with the GIL released; rows not
-    named are left as they are."""
+    named are left as they are. Matchers in the same state (`Matcher._same_state`)
+    are computed once and the row copied to the others."""
     global _executor
     if not rows:
         return
     ptr, nbytes = _row_pointer(bitmask)
     batch = bitmask.shape[0]
     words = rows[0][1].adapter.words
-    if nbytes != batch * words * 4:
+    row_bytes = words * 4
+    if nbytes != batch * row_bytes:
         raise ValueError(
             f"the bitmask must be (batch, {words}) int32 words for this tokenizer, "
             f"got {tuple(bitmask.shape)}"
         )
-    live = []
+    live: list[tuple[Any, int]] = []
+    first: dict[tuple[int, int, int], tuple[int, Matcher]] = {}  # state -> its computed row
+    copies: list[tuple[int, int]] = []  # (row, the row it copies)
     for i, m in rows:
         if not 0 <= i < batch:
             raise ValueError(f"bitmask row {i} is outside [0, {batch})")
@@ -365,15 +422,25 @@ def fill_bitmask(bitmask: Any, rows: Sequence[tuple[int, Matcher]]) -> None:
             raise ValueError("the matchers of one bitmask must share one tokenizer")
         if m._error is not None:
             m.allowed(bitmask[i])
-        else:
-            live.append((m._m, i))
+            continue
+        if m._origin is not None:
+            key = (id(m._origin), len(m._tokens), m._hashes[-1])
+            seen = first.get(key)
+            if seen is None:
+                first[key] = (i, m)
+            elif seen[1]._same_state(m):
+                copies.append((i, seen[0]))
+                continue
+        live.append((m._m, i))
     if len(live) == 1:
         m, i = live[0]
-        m.unsafe_compute_mask_ptr(ptr + i * words * 4, words * 4)
+        m.unsafe_compute_mask_ptr(ptr + i * row_bytes, row_bytes)
     elif live:
         with _executor_lock:
             if _executor is None:
                 import llguidance
 
                 _executor = llguidance.LLExecutor()
-        _executor.unsafe_compute_mask_ptr(live, ptr, words * 4, batch)
+        _executor.unsafe_compute_mask_ptr(live, ptr, row_bytes, batch)
+    for i, j in copies:
+        ctypes.memmove(ptr + i * row_bytes, ptr + j * row_bytes, row_bytes)
