@@ -92,3 +92,96 @@ def test_bad_constraints_are_one_line_value_errors():
         with pytest.raises(ValueError) as e:
             SamplingParams(structured=bad)
         assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------- async scheduling (a step ahead)
+
+
+def pipelined(smollm2, smollm2_path):
+    """An engine that queues each decode step's successor before reading its
+    tokens (async scheduling, on the CPU too), and a count of the continuations
+    whose constrained rows were masked and sampled once the matchers caught up."""
+    from pagedllm.tokenizer import Tokenizer
+
+    llm = LLM(
+        model=smollm2,
+        tokenizer=Tokenizer.from_model_path(smollm2_path),
+        kv_cache_mib=32,
+        async_scheduling=True,
+    )
+    runner = llm.engine.runner
+    real = runner.sample_deferred
+    calls = []
+
+    def counted(step):
+        calls.append(step.deferred is not None)
+        return real(step)
+
+    runner.sample_deferred = counted
+    return llm, calls
+
+
+MIXED = [
+    constrained(structured={"json": PERSON, "whitespace": "compact"}),
+    SamplingParams(
+        max_tokens=60,
+        temperature=1.0,
+        seed=11,
+        structured={"json": PERSON, "whitespace": "compact"},
+    ),
+    constrained(structured={"regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"}),
+    SamplingParams(max_tokens=24, temperature=0),
+]
+
+
+def test_async_scheduling_runs_constrained_steps_ahead_with_the_same_tokens(
+    llm, smollm2, smollm2_path
+):
+    """Oracle: the same requests without async scheduling. Continuations with
+    constrained rows ran (their masks made after the step before was read) and
+    every request's tokens, text and finish reason are as without."""
+    want = llm.chat([ASK] * 4, MIXED)
+    fast, deferred = pipelined(smollm2, smollm2_path)
+    got = fast.chat([ASK] * 4, MIXED)
+    assert sum(deferred) >= 5, "no constrained continuation ran"
+    for a, b in zip(got, want):
+        assert (a.token_ids, a.finish_reason, a.text) == (b.token_ids, b.finish_reason, b.text)
+    for out in got[:2]:
+        jsonschema.validate(json.loads(out.text), PERSON)
+    assert fast.engine._inflight is None and not fast.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("fail_with", [RuntimeError, KeyboardInterrupt])
+def test_a_failed_deferred_sample_rolls_the_matchers_back(llm, smollm2, smollm2_path, fail_with):
+    """Sampling a continuation's constrained rows fails after the matchers took
+    the step before's tokens: both steps are undone and so are the matchers'
+    advances, so the greedy answers are those of an engine that never failed (a
+    seeded row's generator has drawn for the undone step: its output differs,
+    and still matches its schema)."""
+    want = llm.chat([ASK] * 4, MIXED)
+    fast, _ = pipelined(smollm2, smollm2_path)
+    eng, runner = fast.engine, fast.engine.runner
+    prompts = [eng.tokenizer.encode_chat(ASK) for _ in range(4)]
+    reqs = [eng.add_request(p, params) for p, params in zip(prompts, MIXED)]
+    counted = runner.sample_deferred
+    failed = []
+
+    def failing(step):
+        if not failed and step.deferred is not None:
+            failed.append(True)
+            raise fail_with("the device went away")
+        return counted(step)
+
+    runner.sample_deferred = failing
+    with pytest.raises(fail_with):
+        while eng.has_unfinished():
+            eng.step()
+    assert failed and eng._inflight is None
+    eng.scheduler.check_invariants()
+    while eng.has_unfinished():
+        eng.step()
+    for i in (0, 2, 3):
+        assert reqs[i].output_token_ids == want[i].token_ids
+        assert reqs[i].finish_reason == want[i].finish_reason
+    assert reqs[1].finish_reason == "stop"
+    jsonschema.validate(json.loads(eng.tokenizer.decode(reqs[1].output_token_ids)), PERSON)

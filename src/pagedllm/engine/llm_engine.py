@@ -473,6 +473,7 @@ class LLMEngine:
         step's results are read, so the GPU runs it while the host does this
         step's bookkeeping; the successor is collected by the next `_step`."""
         launched = plan = successor = None
+        advanced: list[tuple[Request, bool]] = []
         if self._constrained:  # forget the finished; the runner masks while any is left
             self._constrained = [r for r in self._constrained if not r.is_finished]
         self.runner.masking = bool(self._constrained)
@@ -493,22 +494,35 @@ class LLMEngine:
                 # while the device runs it (a long prompt's hashes cost ~0.1 ms).
                 with deferred_interrupts():
                     self.scheduler.name_pages(plan)
-            # A constrained request's next mask needs this step's token: no step is
-            # queued ahead while one runs.
-            if self.async_scheduling and not self._constrained:
+            if self.async_scheduling:
                 with deferred_interrupts():
                     successor = self.scheduler.schedule_continuation(plan)
                 if successor is not None:
+                    # With constrained rows only its forward pass is queued: their
+                    # masks need this step's tokens (sample_deferred, below).
                     self._inflight = self.runner.launch(successor, feed=launched)
                     self.num_steps_planned_ahead += 1
             # The sampled ids on the host (the step's one wait for the device).
             result = self.runner.collect(launched)
+            if self._constrained:
+                # The matchers consume this step's tokens now, while the successor's
+                # forward pass runs, so that its masks can be made and its sampling
+                # queued before this step's bookkeeping. What a token means for its
+                # request (an error, the end) is decided after `update`.
+                with deferred_interrupts():
+                    advanced = self._advance_matchers(plan.scheduled, result.sampled_token_ids)
+                if self._inflight is not None:
+                    self.runner.sample_deferred(self._inflight)
         except BaseException:
             # A failed step is undone (its tokens are planned again; the pages
             # it named are unnamed), whether it failed in the runner or a Ctrl-C
-            # landed at the end of the planning; so is a successor planned on it.
+            # landed at the end of the planning; so is a successor planned on it,
+            # and so are the matchers' steps over its tokens.
             self._inflight = None
             with deferred_interrupts():
+                for req, ok in advanced:
+                    if ok:
+                        req.matcher.rollback(1)
                 if successor is not None:
                     self.scheduler.undo_step(successor)
                 if plan is not None:
@@ -520,25 +534,40 @@ class LLMEngine:
             # 3. Bookkeeping: advance computed tokens, append samples, token-level stops.
             self._record_prompt_logprobs(result)
             updates = self.scheduler.update(plan, result.sampled_token_ids)
-            if self._constrained:
-                self._advance_matchers(plan.scheduled, result.sampled_token_ids)
+            if advanced:
+                self._finish_constrained(advanced)
             # 4. Detokenize, check stop strings, report.
             self._pending += self.process(updates, plan.scheduled, result)
             self._drop_finished_inflight()
             if self.recorder is not None:
                 self.recorder.record(self, plan)
 
-    def _advance_matchers(self, scheduled: Sequence[Request], sampled: list[int | None]) -> None:
-        """Each constrained request's matcher consumes its new token. A token the
-        constraint rejects ends the request with the reason; a matcher that only
-        EOS could follow ends it as a stop (its text is complete)."""
+    def _advance_matchers(
+        self, scheduled: Sequence[Request], sampled: list[int | None]
+    ) -> list[tuple[Request, bool]]:
+        """Each running constrained request's matcher consumes its new token (in
+        one batch, `structured.advance_matchers`); each with whether the
+        constraint accepted it. A request finished before this step's tokens (by
+        a stop string or an abort, still in a successor planned ahead) is left."""
+        reqs, tokens = [], []
         for req, token in zip(scheduled, sampled):
-            m = req.matcher
-            if m is None or token is None:
-                continue
-            ok = m.advance(token)
+            if req.matcher is not None and token is not None and not req.is_finished:
+                reqs.append(req)
+                tokens.append(token)
+        if not reqs:
+            return []
+        from pagedllm.structured import advance_matchers  # loaded with the first constraint
+
+        return list(zip(reqs, advance_matchers([r.matcher for r in reqs], tokens)))
+
+    def _finish_constrained(self, advanced: list[tuple[Request, bool]]) -> None:
+        """After `update`: a token the constraint rejected ends its request with the
+        reason; a matcher that only EOS could follow ends it as a stop (its text is
+        complete)."""
+        for req, ok in advanced:
             if req.is_finished:  # by this token (EOS, max_tokens): nothing more to decide
                 continue
+            m = req.matcher
             if not ok:
                 req.error = (
                     f"request {req.request_id}: {m.error or 'token rejected by its constraint'}"

@@ -89,6 +89,10 @@ class LaunchedStep:
     prompt_logprobs: dict = field(default_factory=dict)
     host_ids: torch.Tensor | None = None  # pinned copy of `sampled`, filled asynchronously
     copied: torch.cuda.Event | None = None  # recorded after that copy
+    # Constrained decoding under async scheduling: (logits, constrained rows, sampling
+    # metadata, requests) of a continuation whose sampling waits until its matchers
+    # have consumed the tokens of the step before (`ModelRunner.sample_deferred`).
+    deferred: tuple | None = None
 
 
 @dataclass
@@ -569,32 +573,61 @@ class ModelRunner:
             last_rows = _last_rows(host.cu_seqlens, full)
             logits = logits[self._index([last_rows[i] for i in done])]
         done_reqs = [reqs[i] for i in done] if len(done) < len(reqs) else list(reqs)
+        constrained = None
         if self.masking:  # some request has a constraint (the engine says; else no scan)
             constrained = [(j, r.matcher) for j, r in enumerate(done_reqs) if r.matcher]
-            if constrained:  # the forward pass is queued: the masks are made while it runs
-                logits = self._mask(logits, constrained)
         generators = None
         if any(r.sampling_params.seed is not None for r in done_reqs):
             generators = [self._generator(r) for r in done_reqs]
         meta = SamplingMetadata.from_requests(done_reqs, self.vocab_size, self.device, generators)
+        if constrained:
+            if plan.is_continuation:
+                # The matchers have not consumed the tokens `feed` samples (they are
+                # not on the host yet): the engine advances them once they are, while
+                # this forward pass runs, then calls sample_deferred.
+                step.deferred = (logits, constrained, meta, done_reqs)
+                return step
+            # The forward pass is queued: the masks are made while it runs.
+            logits = self._mask(logits, constrained)
+        self._sample(step, logits, meta, done_reqs)
+        return step
+
+    @torch.inference_mode()
+    def sample_deferred(self, step: LaunchedStep) -> None:
+        """Mask and sample a continuation launched with constrained rows (its
+        `deferred`), once their matchers have consumed the tokens of the step
+        before: fill the bitmask on the host while the step's forward pass runs
+        on the device, then queue the masking, the sampling and the copy of the
+        ids to the host (`collect` waits for them)."""
+        if step.deferred is None:
+            return
+        logits, constrained, meta, done_reqs = step.deferred
+        step.deferred = None
+        self._sample(step, self._mask(logits, constrained), meta, done_reqs)
+
+    def _sample(
+        self, step: LaunchedStep, logits: torch.Tensor, meta: SamplingMetadata, done_reqs: list
+    ) -> None:
+        """Queue the sampling of `step`'s rows and the copy of the ids to the host."""
         out = self.sampler(logits, meta)
         step.sampled = out.sampled_token_ids
         step.logprobs = out.logprobs
         step.logprobs_ks = [r.sampling_params.logprobs for r in done_reqs]
         if self.pin:
             # The one device-to-host copy, started now; collect() waits for it.
-            step.host_ids = torch.empty(len(done), dtype=step.sampled.dtype, pin_memory=True)
+            step.host_ids = torch.empty(len(step.done), dtype=step.sampled.dtype, pin_memory=True)
             step.host_ids.copy_(step.sampled, non_blocking=True)
             step.copied = torch.cuda.Event()
             step.copied.record()
-        return step
 
     def _mask(self, logits: torch.Tensor, constrained: list[tuple[int, Any]]) -> torch.Tensor:
         """Constrained decoding (structured/): each constrained row's logits of the
         tokens its matcher forbids become -inf, in place. The bitmask is filled on
         the host (llguidance's threads, the GIL released) after the forward pass was
-        queued, so on a GPU the filling overlaps it; then one pinned copy and a few
-        element-wise kernels. Unconstrained rows are not touched."""
+        queued, so on a GPU the filling overlaps it; then one pinned copy and one
+        kernel (a few element-wise ops without Triton). Unconstrained rows are not
+        touched. When every row is constrained, bitmask row i is logits row i (no
+        gather or scatter)."""
         from pagedllm.structured import fill_bitmask
         from pagedllm.structured.bitmask import allocate_bitmask, apply_bitmask
 
@@ -602,11 +635,16 @@ class ModelRunner:
         if self._bitmask is None or self._bitmask.shape[1] != words:
             self._bitmask = allocate_bitmask(self.max_num_seqs, words * 32, pin=self.pin)
         fill_bitmask(self._bitmask, [(k, m) for k, (_, m) in enumerate(constrained)])
-        return apply_bitmask(logits, self._bitmask, [j for j, _ in constrained])
+        # `constrained` lists rows in order: as many as the logits means all of them.
+        every = len(constrained) == logits.shape[0]
+        rows = None if every else self._index([j for j, _ in constrained])
+        return apply_bitmask(logits, self._bitmask, rows)
 
     @torch.inference_mode()
     def collect(self, step: LaunchedStep) -> RunnerOutput:
         """Wait for a launched step's sampled ids; the step's results as host values."""
+        if step.deferred is not None:
+            raise RuntimeError("a step with constrained rows is collected before sample_deferred")
         reqs = step.plan.scheduled
         sampled: list[int | None] = [None] * len(reqs)
         logprobs: list[Logprobs | None] = [None] * len(reqs)
