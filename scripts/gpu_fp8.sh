@@ -49,7 +49,7 @@ for phase in ${PHASES:-tests kernels 8b 70b structured}; do
     case $phase in
     tests)
         timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_fp8.py \
-            tests/test_gpu_fp8_ops.py >"$OUT/pytest.txt" 2>&1
+            tests/test_gpu_fp8_ops.py tests/test_structured.py >"$OUT/pytest.txt" 2>&1
         echo "pytest rc=$? $(tail -n 1 "$OUT/pytest.txt") ($((SECONDS - t0)) s)"
         grep -E "^(FAILED|ERROR)|Error" "$OUT/pytest.txt" | head -n 12
         ;;
