@@ -376,6 +376,47 @@ def test_fill_bitmask_computes_a_shared_state_once(tok, cache, monkeypatch):
     assert spy.rows == 2
 
 
+def test_a_constraint_hands_out_independent_templates_in_turn(tok, monkeypatch):
+    """Copies of one llguidance template share its lexer (and its lock), so the
+    cache compiles one template per filling thread and hands them out in turn.
+    Every template masks alike; same-state matchers of different templates
+    still share one computed row; the rows land where they were asked for."""
+    cache = ConstraintCache(tokenizer_adapter(tok), copies=3)
+    constraint = StructuredOutput(json=SCHEMAS[0][1], whitespace="compact")
+    compiled = cache.get(constraint)
+    assert compiled.num_templates == 3
+    matchers = [compiled.matcher() for _ in range(7)]
+    assert [m._group for m in matchers] == [0, 1, 2, 0, 1, 2, 0]
+    start = tok.encode('{"')
+    for m in matchers[:4]:
+        assert all(m.advance(t) for t in start)
+    spy = CountingExecutor()
+    monkeypatch.setattr(matcher_module, "_executor", spy)
+    bitmask = allocate_bitmask(8, cache.adapter.vocab_size, pin=False)
+    rows = [(7 - k, m) for k, m in enumerate(matchers)]
+    fill_bitmask(bitmask, rows)
+    assert spy.rows == 2  # the four advanced ones once, the three at the start once
+    for i, m in rows:
+        one = np.zeros(cache.adapter.words, np.int32)
+        m.allowed(one)
+        assert np.array_equal(bitmask[i].numpy(), one), i
+    assert np.array_equal(bitmask[7].numpy(), bitmask[4].numpy())  # groups 0 and 0
+    assert np.array_equal(bitmask[7].numpy(), bitmask[6].numpy())  # groups 0 and 1
+    # once they differ, each template's rows are computed (in its own run of rows)
+    rng = np.random.default_rng(4)
+    for m in matchers:
+        row = np.zeros(cache.adapter.words, np.int32)
+        m.allowed(row)
+        assert m.advance(int(rng.choice(allowed_ids(row))))
+    spy.rows = 0
+    fill_bitmask(bitmask, rows)
+    assert spy.rows == len({tuple(m._tokens) for m in matchers})
+    for i, m in rows:
+        one = np.zeros(cache.adapter.words, np.int32)
+        m.allowed(one)
+        assert np.array_equal(bitmask[i].numpy(), one), i
+
+
 def test_the_tokenizer_callback_remembers_texts(tok, monkeypatch):
     """llguidance asks for the same forced texts in every request of a schema:
     our encoder runs once per text (the answers equal it), and a full memo starts

@@ -19,6 +19,8 @@ So: compile on any thread (the cache serialises nothing but its dictionary);
 use each `Matcher` from one thread at a time (the stepping thread: fill while
 the GPU runs, advance after sampling). The compiled template of a constraint
 is never advanced, only copied (`LLMatcher.deep_copy`, about a microsecond).
+A copy shares its template's lexer, behind a lock, so a constraint keeps one
+independent template per filling thread (`CompiledConstraint`).
 """
 
 from __future__ import annotations
@@ -153,32 +155,69 @@ def constraint_cache(tokenizer: Any) -> ConstraintCache:
     return cache
 
 
+def fill_threads() -> int:
+    """Threads that fill a batch's masks (`fill_bitmask`): 80 % of the cores this
+    process may use, at most 32 (llguidance's own default)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(32, cores * 4 // 5))
+
+
 class CompiledConstraint:
     """A constraint compiled against one tokenizer: llguidance's matcher in its
-    start state, copied for each request (`matcher()`)."""
+    start state, copied for each request (`matcher()`).
 
-    __slots__ = ("constraint", "adapter", "_template")
+    A copy shares its template's lexer, behind one lock: the masks of all the
+    copies of one template are computed one at a time, whatever the threads
+    (on the H200's 16-core host, 64 rows took as long on 12 threads as on
+    one). So a constraint keeps several independent templates (`add_copies`,
+    one per filling thread; each compile is well under a millisecond once the
+    first is done) and hands them out in turn: each template's requests
+    share a lexer, the templates run in parallel.
+    """
+
+    __slots__ = ("constraint", "adapter", "_templates", "_handed_out")
 
     def __init__(self, constraint: StructuredOutput, adapter: TokenizerAdapter) -> None:
-        import llguidance
-
         self.constraint = constraint
         self.adapter = adapter
+        self._templates = [self._compile()]
+        self._handed_out = 0
+
+    def _compile(self) -> Any:
+        import llguidance
+
         template = llguidance.LLMatcher(
-            adapter.ll, constraint.grammar, log_level=0, limits=adapter.limits
+            self.adapter.ll, self.constraint.grammar, log_level=0, limits=self.adapter.limits
         )
         if template.is_error():
             # Grammars are checked without a tokenizer when the constraint is
             # built; what is left is what needs one (a token the vocabulary lacks).
             raise ValueError(
-                f"{constraint!r} cannot be compiled for this tokenizer: "
+                f"{self.constraint!r} cannot be compiled for this tokenizer: "
                 f"{one_line(template.get_error())}"
             )
-        self._template = template
+        return template
+
+    @property
+    def num_templates(self) -> int:
+        return len(self._templates)
+
+    def add_copies(self, total: int) -> None:
+        """Compile independent templates until there are `total` (the cache does,
+        on its thread, once the first request may use the first)."""
+        while len(self._templates) < total:
+            self._templates.append(self._compile())  # one append: safe beside matcher()
 
     def matcher(self) -> Matcher:
-        """A fresh matcher at the start of the output (a copy: about a microsecond)."""
-        return Matcher(self._template.deep_copy(), self.adapter, self)
+        """A fresh matcher at the start of the output (a copy: about a microsecond),
+        of the templates in turn."""
+        templates = self._templates
+        group = self._handed_out % len(templates)
+        self._handed_out += 1
+        return Matcher(templates[group].deep_copy(), self.adapter, self, group)
 
 
 class ConstraintCache:
@@ -193,11 +232,18 @@ class ConstraintCache:
     nothing.
     """
 
-    def __init__(self, adapter: TokenizerAdapter, max_size: int = DEFAULT_CACHE_SIZE) -> None:
+    def __init__(
+        self,
+        adapter: TokenizerAdapter,
+        max_size: int = DEFAULT_CACHE_SIZE,
+        copies: int | None = None,
+    ) -> None:
         if max_size < 1:
             raise ValueError(f"max_size must be at least 1, got {max_size}")
         self.adapter = adapter
         self.max_size = max_size
+        # Independent templates per constraint (CompiledConstraint): one per filling thread.
+        self.copies = fill_threads() if copies is None else max(1, copies)
         self._entries: OrderedDict[StructuredOutput, Future] = OrderedDict()
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -249,9 +295,15 @@ class ConstraintCache:
 
     def _compile_into(self, constraint: StructuredOutput, future: Future) -> None:
         try:
-            future.set_result(CompiledConstraint(constraint, self.adapter))
+            compiled = CompiledConstraint(constraint, self.adapter)
         except BaseException as e:  # delivered to every waiter through the Future
             future.set_exception(e)
+            return
+        future.set_result(compiled)  # the first request need not wait for the copies
+        try:
+            compiled.add_copies(self.copies)
+        except Exception:  # (the first compiled: these do too) it works with fewer
+            pass
 
     def close(self) -> None:
         """Stop the compile thread (waiting for compiles in flight)."""
@@ -280,15 +332,19 @@ class Matcher:
     string, a millisecond or more at Llama 3's vocabulary) is the same for all.
     """
 
-    __slots__ = ("_m", "adapter", "_error", "_origin", "_tokens", "_hashes")
+    __slots__ = ("_m", "adapter", "_error", "_origin", "_group", "_tokens", "_hashes")
 
-    def __init__(self, ll_matcher: Any, adapter: TokenizerAdapter, origin: Any = None) -> None:
+    def __init__(
+        self, ll_matcher: Any, adapter: TokenizerAdapter, origin: Any = None, group: int = 0
+    ) -> None:
         self._m = ll_matcher
         self.adapter = adapter
         self._error: str | None = None
-        # The compiled constraint it was copied from (None: never shares a mask),
-        # the tokens consumed, and a running hash of them (hashes[-1]: all of them).
+        # The compiled constraint it was copied from (None: never shares a mask) and
+        # which of its templates (the copies of one share a lexer and its lock), the
+        # tokens consumed, and a running hash of them (hashes[-1]: all of them).
         self._origin = origin
+        self._group = group
         self._tokens: list[int] = []
         self._hashes: list[int] = [0]
 
@@ -397,7 +453,7 @@ def fill_bitmask(bitmask: Any, rows: Sequence[tuple[int, Matcher]]) -> None:
     """Fill the bitmask rows of several requests at once: `rows` pairs a row
     index of `bitmask` (a contiguous (batch, words) int32 CPU tensor or array)
     with that request's matcher. llguidance spreads the rows over its own
-    threads (80 % of the cores, at most 32) with the GIL released; rows not
+    threads (`fill_threads`) with the GIL released; rows not
     named are left as they are. Matchers in the same state (`Matcher._same_state`)
     are computed once and the row copied to the others."""
     global _executor
@@ -412,7 +468,7 @@ def fill_bitmask(bitmask: Any, rows: Sequence[tuple[int, Matcher]]) -> None:
             f"the bitmask must be (batch, {words}) int32 words for this tokenizer, "
             f"got {tuple(bitmask.shape)}"
         )
-    live: list[tuple[Any, int]] = []
+    live: list[tuple[tuple[int, int], int, Any]] = []  # (its template, row, llguidance's)
     first: dict[tuple[int, int, int], tuple[int, Matcher]] = {}  # state -> its computed row
     copies: list[tuple[int, int]] = []  # (row, the row it copies)
     for i, m in rows:
@@ -431,16 +487,19 @@ def fill_bitmask(bitmask: Any, rows: Sequence[tuple[int, Matcher]]) -> None:
             elif seen[1]._same_state(m):
                 copies.append((i, seen[0]))
                 continue
-        live.append((m._m, i))
+        live.append(((id(m._origin), m._group), i, m._m))
     if len(live) == 1:
-        m, i = live[0]
+        _, i, m = live[0]
         m.unsafe_compute_mask_ptr(ptr + i * row_bytes, row_bytes)
     elif live:
         with _executor_lock:
             if _executor is None:
                 import llguidance
 
-                _executor = llguidance.LLExecutor()
-        _executor.unsafe_compute_mask_ptr(live, ptr, row_bytes, batch)
+                _executor = llguidance.LLExecutor(fill_threads())
+        # The executor's threads take runs of the list: rows of one template (one
+        # lexer lock) together keep each thread on its own lock.
+        live.sort(key=lambda x: x[0])
+        _executor.unsafe_compute_mask_ptr([(m, i) for _, i, m in live], ptr, row_bytes, batch)
     for i, j in copies:
         ctypes.memmove(ptr + i * row_bytes, ptr + j * row_bytes, row_bytes)
