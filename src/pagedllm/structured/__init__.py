@@ -34,20 +34,31 @@ each step, for the rows whose request has a matcher:
                             fill_bitmask(bitmask, [(i, matcher_i), ...])   # GIL released
   before sampling:          apply_bitmask(logits, bitmask, rows)     # rows: the logits' rows
   after the ids reach the host:
-                            matcher.advance(token)  False -> finish with matcher.error
-                            matcher.is_finished     -> finish ("stop"; only EOS may follow)
+                            oks = advance_matchers(matchers, tokens)  False -> finish with
+                            matcher.error; matcher.is_finished -> finish ("stop"; only EOS
+                            may follow)
 ```
 
-A step's mask needs the previous step's token, so the engine queues no step
-ahead (async scheduling) while a constrained request runs. Keeping the
-overlap would take this order, not built yet: queue step N+1's forward, read
-step N's ids, `advance`, fill, then queue step N+1's masking and sampling. Rows of the bitmask are indexed in the order
+A step's mask needs the step before's token. Under async scheduling (on for
+CUDA) the engine still queues each decode step's successor before reading
+the step's ids, in this order (`LLMEngine._step`): queue step N+1's forward
+pass (`ModelRunner.launch` of a continuation leaves its constrained rows'
+masking and sampling for later: `LaunchedStep.deferred`); read step N's ids;
+`advance_matchers`; `ModelRunner.sample_deferred` fills the masks while
+N+1's forward pass runs and queues the masking, the sampling and the copy
+of the ids; then step N's bookkeeping. So the fill hides behind the forward
+pass, and the bookkeeping behind the sampling. A step that fails after the
+matchers advanced rolls them back (`Matcher.rollback`). Rows of the bitmask are indexed in the order
 `fill_bitmask` was given; `apply_bitmask` maps bitmask row i to logits row
-`rows[i]`. Unconstrained rows are never touched (bit-identical logits).
+`rows[i]` (`rows=None`: row i to row i, a batch constrained throughout).
+Unconstrained rows are never touched (bit-identical logits).
 
 Things the wiring must decide: a request whose sampler bans EOS
 (`min_tokens`, `ignore_eos`) while its matcher is finished would have every
-logit at -inf: end such a request at `is_finished` instead of sampling.
+logit at -inf: end such a request at `is_finished` instead of sampling. (A
+step queued ahead holds no request short of `min_tokens`, the scheduler's
+rule; a row whose matcher finished in step N, so that its request ends
+there, is masked to EOS in step N+1 and that token is dropped.)
 `stop_token_ids` that are not the tokenizer's EOS ids are masked out under a
 constraint (the constraint decides where the output ends). The matcher's
 vocabulary is the tokenizer's; ids of a wider embedding are never allowed.
@@ -95,13 +106,60 @@ JSON; 28 such SmolLM2 tokens allowed after the opening quote; llguidance
 allows none). llguidance refuses what it cannot honour (`uniqueItems`, `not`,
 `if`/`then`, `contains`...) with a message, which becomes our 400. (3) A new
 schema compiles in milliseconds, so a burst of distinct tool schemas does not
-queue behind the compile thread. Its cost is the per-step fill: at batch 64
-with Llama 3's vocabulary, about 1 ms with its threads on two busy cores,
-which the runner fills while the GPU runs the step's forward pass. A 1B
-decode step of 64 rows takes about 2.3 ms on the H200, so the fill is not
-small beside it, and while a constrained request runs no step is queued
-ahead (the engine's async scheduling is off for that step). Not measured on
-the GPU yet: `scripts/bench_structured.py` is the benchmark.
+queue behind the compile thread. Its cost is the per-step fill, which the
+runner makes while the GPU runs the step's forward pass (a step ahead under
+async scheduling: above).
+
+## What a constrained step costs
+
+`scripts/bench_structured.py` (batch 64, the Llama-3.2-1B preset with
+random weights, Llama 3's 128,256 ids) prints each step's host time by part.
+On the H200 (16 CPU cores), before the changes below: a plain
+step 2.68 ms (3.16 ms without async scheduling), `typical` 15.3 ms, `long
+string` 9.6 ms. Host ms per step: the fill 21.5 (`typical`) and 6.2 (`long
+string`), the tokenizer callback 29.7 summed over the fill's threads (so
+they mostly waited for the GIL, each behind our BPE), the masking 0.4 (a
+copy of the row indices from pageable memory waits for the GPU, then eight
+kernels), advancing the matchers 0.2, the rest as for a plain step (the
+sampler's launch 1.0-1.2, its metadata 0.2-0.3; update, process and
+scheduling 0.1 each); and no step was queued ahead.
+
+Then, a first round: the callback remembers its texts (a
+schema's forced keys recur in every request); matchers of one compiled
+constraint that consumed the same tokens share one computed row (every
+request of a schema reaches its first free token in the same state); the
+masking is one Triton kernel that writes -inf where a bit is clear (the
+whole batch without gather or scatter); async scheduling stays on (the
+order above). On the H200: `typical` 11.8 ms, `long string` 10.0 ms (plain
+2.67, 3.44 without async scheduling). Host ms per step: the fill 15.5 and
+6.5, the callback 4.2 summed over threads, the masking 0.2-0.3, advancing
+0.26; the sampler's launch now waits for the fill (`constrained: sample`).
+
+What the fill was waiting for: llguidance's `LLMatcher.deep_copy` is a
+shallow clone whose lexer (and its lazily built automaton) stays shared
+with the template behind one mutex, so the 64 copies of one schema compute
+their masks one at a time. On that host, 64 rows of one template took as
+long on 12 threads as on one (`typical`: 15.0 ms a step on one thread, 16.4
+on 12, means over 20 steps; `long string`: 4.4 and 5.2); on this project's
+2-core machine two independent templates on two threads filled 1.7 times
+as fast as one template. So a constraint now keeps one independent template
+per filling thread (`CompiledConstraint.add_copies`, on the cache's thread
+after the first request may start; 0.2-0.6 ms each) and hands them out in
+turn. Not measured on the GPU yet: the next `bench_structured.py` run says
+what it gives there.
+
+What is left is llguidance's own work per row. Inside a string bounded by a
+short `maxLength` (the person's name, at most 8 characters) no slice of
+the vocabulary applies and each row walks the token trie: 1-1.8 ms a row
+at Llama 3's vocabulary, 65-90 ms for 64 rows on one core, several times
+the forward pass even on 12 threads; other states cost 10-60 us a row. A
+real model spends a token or two in such a string where the random model
+spends several.
+
+On the 2-core CPU machine with a tiny random model over the same
+vocabulary (`--device cpu --model TINY --tokenizer llama3`) the masking
+went from 29-34 ms to 11-15 ms a step (numpy unpacks the bits there) and
+the callback from 0.6 to 0.3 ms.
 
 ## Dependency: core, not the `server` extra
 
@@ -120,8 +178,10 @@ run time (two threads on one matcher get an error, never a torn state), and
 building a matcher or filling a mask releases the GIL. Compiles run on the
 cache's worker thread (`ConstraintCache.submit`); each matcher is used by
 the stepping thread only. llguidance calls back into our tokenizer while it
-fills a mask whose next bytes are forced (holding the GIL, 10-30 us, about
-once per two tokens of JSON); the callback never raises (`matcher.py`).
+fills a mask whose next bytes are forced (holding the GIL, about once per two
+tokens of JSON): 10-30 us for our BPE, a dict lookup once the text was seen
+(`_Tokenize` remembers up to 8192 texts); the callback never raises
+(`matcher.py`).
 
 ## Syntaxes
 
