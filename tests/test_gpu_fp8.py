@@ -6,9 +6,8 @@ References: transformers' LlamaForCausalLM loading the dequantized weights
 itself. The GPU kernels also quantize each activation row to e4m3 (3 mantissa
 bits) and the model runs in bf16, so the logits are compared by their relative
 (norm) error, within 15 %, and their largest error, within 25 % of the largest
-|logit|; the greedy choice wherever the reference's top two are apart by more
-than that error; and each greedy token by the reference's logits for it,
-fed the same tokens. (These random tiny
+|logit|; and each greedy token by the reference's logits for it, fed the
+same tokens. (These random tiny
 models are sensitive: rounding the weights of the 2-layer one to e4m3 alone,
 in float32 on the CPU, moves its logits by 7.9 % in norm and its largest
 logit error is 10.3 % of the largest logit; the first GPU run, 2026-12-05,
@@ -71,17 +70,16 @@ def prompts(n: int = 4) -> list[list[int]]:
 
 
 def check_logits(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Within NORM_REL in norm and MAX_REL of the largest |logit| at worst; the
-    same argmax wherever the reference's top two are further apart than that."""
+    """Within NORM_REL in norm and MAX_REL of the largest |logit| at worst; returns
+    the largest error."""
     got, want = got.float().cpu(), want.float().cpu()
     err = (got - want).abs().max().item()
     scale = want.abs().max().item()
     norm_rel = ((got - want).norm() / want.norm()).item()
     assert norm_rel < NORM_REL and err < MAX_REL * scale, (norm_rel, err, scale)
-    top2 = want.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 2 * err
-    assert clear.any()
-    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    # (No argmax check: wherever the top two are further apart than twice the
+    # largest error the argmax cannot differ, and with e4m3 weights on this random
+    # model often no row is: the first GPU run found none for quantization="fp8".)
     return err
 
 
