@@ -227,12 +227,18 @@ def gemv_grid(n: int, k: int, act: bool) -> list[tuple[int, int, int, int, int]]
     return grid
 
 
+def fp8_copies(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A random (n, k) FP8 weight with per-channel scales, and enough copies of it
+    to miss L2 (`copies_for`)."""
+    wq, s = ref.quantize_fp8(torch.randn(n, k, device="cuda") * k**-0.5)
+    return [(wq, s)] + [(wq.clone(), s.clone()) for _ in range(copies_for(wq.nbytes) - 1)]
+
+
 def sweep_gemv(shapes) -> dict:
     best = {}
     print("\nGEMV sweep: us at T = 1 and 16 (the best of T = 1 first)")
     for name, n, k, act in shapes:
-        wq, s = ref.quantize_fp8(torch.randn(n, k, device="cuda") * k**-0.5)
-        fp8 = [(wq, s)] + [(wq.clone(), s.clone()) for _ in range(copies_for(wq.nbytes) - 1)]
+        fp8 = fp8_copies(n, k)
         x1 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         x16 = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
         timed = []
@@ -258,8 +264,7 @@ def sweep_w8(shapes) -> dict:
     best = {}
     print("\nweight-only GEMV sweep: us at T = 1")
     for name, n, k, act in shapes:
-        wq, s = ref.quantize_fp8(torch.randn(n, k, device="cuda") * k**-0.5)
-        fp8 = [(wq, s)] + [(wq.clone(), s.clone()) for _ in range(copies_for(wq.nbytes) - 1)]
+        fp8 = fp8_copies(n, k)
         x1 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         timed = []
         for block_n in (2, 4, 8, 16):
