@@ -25,6 +25,13 @@ at least 8 of 10 answers equal over 16 tokens. Issue 36's (GPU, FP8): 2 %, and
 
     .venv/bin/python scripts/accuracy.py --ref dtype=float32 [--test ...] [--model PATH]
 
+`--fp8-activations` (CPU, with `--test ... quantization=fp8`) also rounds
+each projection's input as the GPU's FP8 kernels do (ops/triton_fp8.py): one
+row as it is (the weight-only GEMV), 2-16 rows per row and 128-column chunk
+(the tensor-core GEMV), more per row (`_scaled_mm`); every forward pass here
+has more than 16 rows but a 1-token text. So the CPU's float32 figure holds
+both roundings the GPU makes, without its bf16.
+
 The last line printed is JSON.
 """
 
@@ -91,9 +98,52 @@ def greedy(model, ids: list[int], new_tokens: int) -> list[int]:
     return out
 
 
-def measure(path, kwargs: dict, text_ids: list[int], prompts: list[list[int]], n: int) -> dict:
+class Fp8Activations:
+    """A projection whose input is first rounded to e4m3 as the GPU's FP8 kernels
+    round it (`quantize_activations_reference`), then dequantized: see the module's
+    docstring. Wraps a `Linear` of the CPU's dequantized FP8 weights."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    @staticmethod
+    def rounded(x: torch.Tensor) -> torch.Tensor:
+        t, k = x.shape
+        if t <= 1:
+            return x
+        from pagedllm.ops.triton_fp8 import quantize_activations_reference
+
+        group = 128 if t <= 16 else None
+        q, scale = quantize_activations_reference(x, group)
+        g = group or k
+        return (q.float() * scale[:, torch.arange(k) // g]).to(x.dtype)
+
+    def __call__(self, x, impl=None, *args, **kw):
+        return self.inner(self.rounded(x), impl, *args, **kw)
+
+    def then_act_and_mul(self, x, impl, act="silu"):
+        return self.inner.then_act_and_mul(self.rounded(x), impl, act)
+
+    def then_silu_and_mul(self, x, impl):
+        return self.inner.then_silu_and_mul(self.rounded(x), impl)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def round_fp8_activations(model) -> None:
+    for layer in model.layers:
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            setattr(layer, name, Fp8Activations(getattr(layer, name)))
+
+
+def measure(
+    path, kwargs: dict, text_ids: list[int], prompts: list[list[int]], n: int, fp8_act=False
+) -> dict:
     t0 = time.perf_counter()
     model = load_model(path, **kwargs)
+    if fp8_act:
+        round_fp8_activations(model)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     limit = cpu_packed.PACKED_KERNEL_MAX_ROWS
@@ -105,6 +155,7 @@ def measure(path, kwargs: dict, text_ids: list[int], prompts: list[list[int]], n
         cpu_packed.PACKED_KERNEL_MAX_ROWS = limit
     return {
         "load_model": kwargs,
+        "fp8_activations": fp8_act,
         "weight_bytes": weight_bytes(model),
         "packed": getattr(model, "packed", False),
         "load_s": round(load_s, 2),
@@ -121,6 +172,7 @@ def main() -> None:
     ap.add_argument("--test", nargs="*", default=[], metavar="KEY=VALUE")
     ap.add_argument("--tokens", type=int, default=4000)
     ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--fp8-activations", action="store_true", help="the test load only")
     args = ap.parse_args()
 
     path = resolve_model_path(args.model)
@@ -133,7 +185,9 @@ def main() -> None:
         for p in PROMPTS
     ]
     ref = measure(path, parse_kv(args.ref), text_ids, prompts, args.new_tokens)
-    test = measure(path, parse_kv(args.test), text_ids, prompts, args.new_tokens)
+    test = measure(
+        path, parse_kv(args.test), text_ids, prompts, args.new_tokens, args.fp8_activations
+    )
     agree = [a == b for a, b in zip(ref["answers"], test["answers"])]
     first_diff = [
         next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
