@@ -352,6 +352,30 @@ def test_missing_head_count_names_the_key(tmp_path: Path) -> None:
         load_gguf_state_dict(path)
 
 
+def test_a_gguf_without_a_tokenizer_runs_on_token_ids(tmp_path: Path) -> None:
+    """No tokenizer.* metadata (a converted checkpoint that left it out): the
+    engine runs on token ids, as for a directory without tokenizer.json, its
+    greedy tokens those of the model's own forward passes; text gets one line."""
+    import torch
+
+    from pagedllm import LLM, SamplingParams
+
+    path = loadable_llama(tmp_path / "m.gguf")
+    lines: list[str] = []
+    llm = LLM(str(path), max_model_len=64, log=lines.append)
+    assert llm.tokenizer is None
+    assert any("carries no tokenizer" in line for line in lines), lines
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    got = llm.generate([[1, 2, 3]], greedy)[0].token_ids
+    model, want = llm.engine.model, [1, 2, 3]
+    with torch.no_grad():
+        for _ in range(4):
+            want.append(int(model.forward_logits(want)[-1].argmax()))
+    assert list(got) == want[3:]
+    with pytest.raises(ValueError, match="no tokenizer; pass token ids"):
+        llm.generate(["hello"], greedy)
+
+
 def test_layer_index_must_be_canonical(tmp_path: Path) -> None:
     """'blk.01' is no layer llama.cpp would read; it used to map onto layer 1 and
     silently replace its weight."""

@@ -845,6 +845,14 @@ def load_model_tokenizer(model_path, log) -> Tokenizer | None:
     if model_path.is_dir() and not (model_path / "tokenizer.json").is_file():
         log(f"{model_path} has no tokenizer.json: prompts must be token ids")
         return None
+    if model_path.is_file() and model_path.suffix.lower() == ".gguf":
+        from pagedllm.gguf_metadata import read_gguf_metadata
+
+        if "tokenizer.ggml.model" not in read_gguf_metadata(model_path, "tokenizer.ggml.model"):
+            log(
+                f"{model_path} carries no tokenizer (tokenizer.ggml.model): prompts must be token ids"
+            )
+            return None
     return Tokenizer.from_model_path(model_path)
 
 
