@@ -171,5 +171,53 @@ def test_available_memory_is_read_from_the_machine() -> None:
     from pagedllm import memory
 
     available, where = memory.available_bytes("cpu")
-    assert where == "MemAvailable" and 0 < available
+    assert where in ("MemAvailable", "the memory cgroup's limit less its usage")
+    assert 0 < available
     assert available <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _cgroup_files(folder, **files) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (folder / name.replace("__", ".")).write_text(text)
+
+
+def test_a_memory_cgroup_limit_caps_what_is_available(tmp_path, monkeypatch) -> None:
+    """A container's limit (cgroup v2 memory.max, or v1 limit_in_bytes) less its
+    usage, the droppable page cache (inactive_file) not counted as used, is what
+    the CPU has when it is below MemAvailable; "max" or v1's 2**63 is no limit."""
+    from pagedllm import memory
+
+    v2 = tmp_path / "v2"
+    _cgroup_files(
+        v2,
+        memory__max=str(3 << 30),
+        memory__current=str(2 << 30),
+        memory__stat=f"anon 1\ninactive_file {1 << 29}\nactive_file 7\n",
+    )
+    assert memory.cgroup_room(str(v2)) == (3 << 30) - (2 << 30) + (1 << 29)
+    monkeypatch.setattr(memory, "CGROUP_ROOT", str(v2))
+    monkeypatch.setattr(memory, "available_cpu_bytes", lambda: 64 << 30)
+    assert memory.available_bytes("cpu") == (
+        (3 << 30) - (3 << 29),
+        "the memory cgroup's limit less its usage",
+    )
+    (v2 / "memory.max").write_text("max\n")
+    assert memory.cgroup_room(str(v2)) is None
+    assert memory.available_bytes("cpu") == (64 << 30, "MemAvailable")
+
+    v1 = tmp_path / "v1"
+    _cgroup_files(
+        v1 / "memory",
+        memory__limit_in_bytes=str(1 << 30),
+        memory__usage_in_bytes=str(1 << 29),
+        memory__stat=f"inactive_file 5\ntotal_inactive_file {1 << 28}\n",
+    )
+    assert memory.cgroup_room(str(v1)) == (1 << 30) - (1 << 28)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert memory.cgroup_room(str(v1)) is None
+    assert memory.cgroup_room(str(tmp_path / "none")) is None  # no cgroup files at all
+    # Over its limit already (usage above it): nothing is left, never a negative.
+    _cgroup_files(v2, memory__max=str(1 << 20), memory__current=str(1 << 30))
+    (v2 / "memory.stat").unlink()
+    assert memory.cgroup_room(str(v2)) == 0
