@@ -263,8 +263,9 @@ def check_kv_cache_fits(
     """ValueError, before any page is allocated, when a KV cache of `planned` bytes (one
     rank's) would take more than `memory.USABLE_FRACTION` of the memory available:
     CUDA's free memory (`free_bytes` when the engine measured it over its ranks), or
-    on the CPU MemAvailable (or the memory cgroup's room, where less), which all `ranks` processes share. `why`: what sized the
-    cache (`plan_kv_cache`'s sentence). The message says what --kv-cache-mib fits."""
+    on the CPU MemAvailable (or the memory cgroup's room, where less), which all
+    `ranks` processes share. `why`: what sized the cache (`plan_kv_cache`'s
+    sentence). The message says what --kv-cache-mib fits."""
     if device.type == "cuda":
         available = free_device_bytes(device) if free_bytes is None else free_bytes
         where = "free GPU memory" if ranks == 1 else f"the least free GPU memory of {ranks} ranks"
