@@ -41,15 +41,16 @@ def constrained(**kw) -> SamplingParams:
     return SamplingParams(max_tokens=80, temperature=0, **kw)
 
 
+def sampled_person(seed: int, max_tokens: int) -> SamplingParams:
+    """PERSON as compact JSON, sampled at temperature 1 with a seed."""
+    structured = {"json": PERSON, "whitespace": "compact"}
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, structured=structured)
+
+
 def test_json_schema_outputs_validate_greedy_and_sampled(llm):
     params = [
         constrained(structured={"json": PERSON, "whitespace": "compact"}),
-        SamplingParams(
-            max_tokens=80,
-            temperature=1.0,
-            seed=5,
-            structured={"json": PERSON, "whitespace": "compact"},
-        ),
+        sampled_person(seed=5, max_tokens=80),
     ]
     for out in llm.chat([ASK, ASK], params):
         assert out.finish_reason == "stop", (out.text, out.error)
@@ -123,12 +124,7 @@ def pipelined(smollm2, smollm2_path):
 
 MIXED = [
     constrained(structured={"json": PERSON, "whitespace": "compact"}),
-    SamplingParams(
-        max_tokens=60,
-        temperature=1.0,
-        seed=11,
-        structured={"json": PERSON, "whitespace": "compact"},
-    ),
+    sampled_person(seed=11, max_tokens=60),
     constrained(structured={"regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"}),
     SamplingParams(max_tokens=24, temperature=0),
 ]
