@@ -71,7 +71,7 @@ for phase in ${PHASES:-tests kernels 8b 70b structured}; do
         # on this machine: 8B TTFT, batch-1, throughput; 70B batch-1.
         cfgs=$(ls /tmp/fp8_kernels.json /tmp/fp8_kernels70.json 2>/dev/null)
         timeout 300 "$PY" scripts/bench_fp8.py --rows --load-configs $cfgs --e2e llama-3.1-8b \
-            --e2e-workloads ttft latency throughput --json "/tmp/fp8_tuned8.json" >"$OUT/tuned.txt" 2>&1
+            --e2e-workloads ${TUNED_8B:-ttft latency throughput} --json "/tmp/fp8_tuned8.json" >"$OUT/tuned.txt" 2>&1
         echo "tuned 8b rc=$? ($((SECONDS - t0)) s)"
         grep -E "^llama" "$OUT/tuned.txt"
         timeout 200 "$PY" scripts/bench_fp8.py --model 70b --rows --load-configs $cfgs \
