@@ -39,7 +39,8 @@ from earlier runs' `--json` instead of sweeping (`--rows` with no value
 then skips the kernel table). `--sweep` also times the GEMV over a grid of (BLOCK_N, BLOCK_K, warps, stages,
 SPLIT_K) at T = 1 and 16 and prints the best per shape as `GEMV_CONFIGS`
 entries for ops/triton_fp8.py; `--gemm-sweep` does the same for the Triton
-GEMM's tiles at T = 1,024.
+GEMM's tiles at T = 1,024. `--act-quant` times SwiGLU and the down projection's
+quantization of its output, as two kernels and fused (`act_and_mul_quantize`).
 
     PYTHONPATH=src python3 scripts/bench_fp8.py [--model 8b|70b] [--rows 1 4 16 64 1024]
         [--only down gate_up] [--sweep] [--w8-sweep [--e2e llama-3.1-8b]] [--gemm-sweep]
@@ -325,6 +326,35 @@ def e2e(presets: list[str], workloads: list[str], alternate: bool) -> list[dict]
     return out
 
 
+def bench_act_quant(model: str) -> dict:
+    """act(gate) * up then the per-row quantization of the down projection's x: two
+    kernels (`silu_and_mul`, `quantize_activations`) against the fused one, held
+    whole in registers (one pass) or in two passes, us per call in a CUDA graph
+    over inputs that miss L2."""
+    inter = {"8b": 14336, "70b": 28672}[model]
+    out = {}
+    print(f"\nSwiGLU + per-row quantization, I = {inter}: us per call")
+    for t in (256, 1024, 4096):
+        ys = [(torch.randn(t, 2 * inter, device="cuda", dtype=torch.bfloat16),)
+              for _ in range(copies_for(t * inter * 4))]  # fmt: skip
+        want = tf.quantize_activations(silu_and_mul(ys[0][0]), None)
+        r = {}
+        for name, fn in (
+            ("two kernels", lambda y: tf.quantize_activations(silu_and_mul(y), None)),
+            ("fused, one pass", lambda y: tf.act_and_mul_quantize(y, "silu", one_pass=1 << 30)),
+            ("fused, two passes", lambda y: tf.act_and_mul_quantize(y, "silu", one_pass=0)),
+        ):
+            got = fn(ys[0][0])
+            same = torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+            same = same and torch.equal(got[1], want[1])
+            r[name] = time_or_none(fn, ys)
+            print(f"  T={t:<5} {name:<18} {r[name] or 0:8.1f} us  same bits: {same}")
+        out[str(t)] = r
+        del ys
+        torch.cuda.empty_cache()
+    return out
+
+
 def sweep_gemm(shapes) -> dict:
     best = {}
     print("\nTriton GEMM sweep at T = 1,024: per channel, then 128 x 128 blocks")
@@ -364,6 +394,7 @@ def main() -> None:
     ap.add_argument("--e2e-workloads", nargs="*", default=["latency"])
     ap.add_argument("--load-configs", nargs="*", help="take --w8-sweep's winners from these")
     ap.add_argument("--gemm-sweep", action="store_true", help="the GEMM's tiles at T = 1,024")
+    ap.add_argument("--act-quant", action="store_true", help="SwiGLU + quantization, fused")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -388,6 +419,8 @@ def main() -> None:
         record["gemv_sweep"] = sweep_gemv(shapes)
     if args.gemm_sweep:
         record["gemm_sweep"] = sweep_gemm(shapes)
+    if args.act_quant:
+        record["act_quant"] = bench_act_quant(args.model)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f)

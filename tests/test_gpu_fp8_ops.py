@@ -199,3 +199,30 @@ def test_block_scaled_mm_of_torch_where_it_runs():
     except (ImportError, RuntimeError, ValueError, NotImplementedError) as e:
         pytest.skip(f"block-wise scaled_mm does not run here: {str(e).splitlines()[0][:200]}")
     assert rel_err(got, quantized_oracle(x, w, s, (128, 128), 128)) < QUANTIZED_TOL
+
+
+@pytest.mark.parametrize("inter", [14336, 20000], ids=["one-pass", "two-pass"])
+def test_act_and_mul_quantize_is_the_two_kernels_bit_for_bit(inter):
+    """The fused SwiGLU + per-row quantization at the 8B's I (the row held whole,
+    16 warps) and past ACT_QUANT_ONE_PASS (two passes): the bits of silu_and_mul
+    then quantize_activations."""
+    from pagedllm.ops.triton_act import silu_and_mul
+
+    y = torch.randn(300, 2 * inter, device=DEV).to(BF16) * 3
+    q, s = tf.act_and_mul_quantize(y, "silu")
+    want_q, want_s = tf.quantize_activations(silu_and_mul(y), None)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s, want_s)
+
+
+@pytest.mark.parametrize("rows", [17, 1024])
+def test_fp8_mlp_fused_is_the_two_ops_bit_for_bit(rows):
+    """`fp8_mlp` past the GEMVs (`_scaled_mm`, the fused SwiGLU + quantization,
+    `_scaled_mm`): the bits of fp8_linear_act_and_mul then fp8_linear."""
+    gu, gu_s = fp8_weight(2 * 14336, 4096)
+    dn, dn_s = fp8_weight(4096, 14336)
+    x = torch.randn(rows, 4096, device=DEV).to(BF16)
+    got = tf.fp8_mlp(x, gu, gu_s, dn, dn_s, "silu")
+    want = tf.fp8_linear(tf.fp8_linear_act_and_mul(x, gu, gu_s, "silu"), dn, dn_s)
+    assert torch.equal(got, want)
+    assert rel_err(got, ref.fp8_mlp(x, gu, gu_s, dn, dn_s, "silu")) < 2 * REFERENCE_TOL

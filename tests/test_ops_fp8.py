@@ -444,3 +444,52 @@ def test_fp8_kernels_compile_for_the_h200_on_fp8_tensor_cores(tmp_path):
         assert got["shared"] <= 227 * 1024, (name, got)
         assert got["spill_bytes"] == 0, (name, got)
         assert got["fp8_wgmma"], (name, got)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("one_pass", [None, 0], ids=["one-pass", "two-pass"])
+def test_act_and_mul_quantize_is_the_two_kernels_bit_for_bit(act, one_pass):
+    """act(gate) * up quantized per row in one kernel: the same e4m3 bits and scales
+    as the act_and_mul kernel then `quantize_activations`, the row held whole or
+    (one_pass=0) in chunks of 2,048 (I = 2,100); an all-zero row: scale 0."""
+    from pagedllm.ops.triton_act import act_and_mul
+
+    gen = torch.Generator().manual_seed(23)
+    y = (torch.randn(3, 2 * 2100, generator=gen) * 3).to(torch.bfloat16)
+    y[2] = 0
+    q, scale = tf.act_and_mul_quantize(y, act, one_pass=one_pass)
+    want_q, want_s = tf.quantize_activations(act_and_mul(y, act), None)
+    assert q.shape == (3, 2100) and scale.shape == (3, 1)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale, want_s)
+    assert scale[2].item() == 0 and torch.all(q[2].float() == 0)
+    with pytest.raises(ValueError, match="activation 'relu'"):
+        tf.act_and_mul_quantize(y, "relu")
+
+
+@needs_interpreter
+def test_fp8_mlp_fused_is_the_two_ops_bit_for_bit(monkeypatch):
+    """`fp8_mlp` past the GEMVs with per-channel scales: `_scaled_mm` for gate/up, the
+    fused act-and-quantize kernel, `_scaled_mm` for down: the same bits as
+    `fp8_linear_act_and_mul` then `fp8_linear` (torch runs _scaled_mm on the CPU
+    here; the GPU test runs it there), and near the reference. Block scales, or few
+    rows, take the two ops."""
+    gen = torch.Generator().manual_seed(29)
+    gu, gu_s = ref.quantize_fp8(torch.randn(2 * 96, 64, generator=gen))
+    dn, dn_s = ref.quantize_fp8(torch.randn(64, 96, generator=gen))
+    x = torch.randn(20, 64, generator=gen).to(torch.bfloat16)
+    monkeypatch.setattr(tf, "_scaled_mm_ok", lambda *a: True)
+    calls = []
+    real = tf.act_and_mul_quantize
+    monkeypatch.setattr(tf, "act_and_mul_quantize", lambda *a: calls.append(1) or real(*a))
+    try:
+        got = tf.fp8_mlp(x, gu, gu_s, dn, dn_s, "silu")
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"torch._scaled_mm does not run on this CPU build: {str(e)[:100]}")
+    assert calls == [1] and got.shape == (20, 64) and got.dtype == torch.bfloat16
+    h = tf.fp8_linear_act_and_mul(x, gu, gu_s, "silu")
+    assert torch.equal(got, tf.fp8_linear(h, dn, dn_s))
+    assert rel_err(got, ref.fp8_mlp(x, gu, gu_s, dn, dn_s, "silu")) < 2 * ACT_QUANT_TOL
+    few = tf.fp8_mlp(x[:3], gu, gu_s, dn, dn_s, "silu")  # the GEMVs' rows: two ops
+    assert calls == [1] and torch.equal(few, tf.fp8_linear(h[:3], dn, dn_s))

@@ -23,7 +23,7 @@ import torch
 from pagedllm import ops
 from pagedllm.config import ModelConfig
 from pagedllm.model.batch import ForwardBatch
-from pagedllm.model.linear import Linear
+from pagedllm.model.linear import Fp8Linear, Linear
 from pagedllm.model.parallel import TensorParallel
 from pagedllm.ops.reference import rope_cos_sin_cache
 
@@ -281,7 +281,20 @@ class LlamaModel:
                 tracer(i, "o_proj", hidden)
             # 4. MLP: norm (fused with the residual add), gate/up in one matmul, SwiGLU, down.
             x, residual = impl.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
-            if tracer is None:  # gate/up then SwiGLU (GeGLU: Gemma): one GEMV on CUDA for one row
+            gate_up_proj, down_proj = layer.gate_up_proj, layer.down_proj
+            if (
+                tracer is None
+                and isinstance(gate_up_proj, Fp8Linear)
+                and isinstance(down_proj, Fp8Linear)
+            ):  # one op: its kernels may hand the down projection x quantized
+                hidden = impl.fp8_mlp(
+                    x, gate_up_proj.qweight, gate_up_proj.scale, down_proj.qweight,
+                    down_proj.scale, cfg.hidden_act,
+                    gate_up_block_size=gate_up_proj.block_size,
+                    down_block_size=down_proj.block_size,
+                )  # fmt: skip
+                act = None
+            elif tracer is None:  # gate/up then SwiGLU (GeGLU: Gemma): one GEMV on CUDA for one row
                 act = layer.gate_up_proj.then_act_and_mul(x, impl, cfg.hidden_act)  # (T, I)
             else:  # the same ops, with the (T, 2I) gate_up in hand for the trace
                 gate_up = layer.gate_up_proj(x, impl)  # (T, 2I)
@@ -289,7 +302,8 @@ class LlamaModel:
                 act = gated(gate_up)  # (T, I)
                 for name, t in (("mlp_norm", x), ("gate_up", gate_up), ("swiglu", act)):
                     tracer(i, name, t)
-            hidden = layer.down_proj(act, impl)  # (T, E)
+            if act is not None:
+                hidden = layer.down_proj(act, impl)  # (T, E)
             if self.tp is not None:
                 self.tp.all_reduce(hidden)
             if layer.mlp_out_norm is not None:  # Gemma 3: the MLP's output normalized

@@ -38,6 +38,7 @@ OP_NAMES = (
     "linear_gelu_tanh_and_mul",
     "fp8_linear",
     "fp8_linear_act_and_mul",
+    "fp8_mlp",
     "apply_rope",
     "store_kvcache",
     "rope_and_store",

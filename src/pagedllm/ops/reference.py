@@ -231,6 +231,25 @@ def fp8_linear_act_and_mul(
     return silu_and_mul(y) if act == "silu" else gelu_tanh_and_mul(y)
 
 
+def fp8_mlp(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_scale: torch.Tensor,
+    down: torch.Tensor,
+    down_scale: torch.Tensor,
+    act: str,
+    *,
+    gate_up_block_size: tuple[int, int] | None = None,
+    down_block_size: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """The whole gated MLP with FP8 weights: `fp8_linear_act_and_mul` with
+    `gate_up` (2I, E) [gate | up], then `fp8_linear` with `down` (E, I): (T, E) ->
+    (T, E). One op so that a kernel may hand the down projection its input already
+    quantized (ops/triton_fp8.py)."""
+    h = fp8_linear_act_and_mul(x, gate_up, gate_up_scale, act, block_size=gate_up_block_size)
+    return fp8_linear(h, down, down_scale, block_size=down_block_size)
+
+
 # --------------------------------------------------------------------------
 # RoPE
 # --------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""FP8 weight projections on the GPU (issue 36): `fp8_linear`, `fp8_linear_act_and_mul`.
+"""FP8 weight projections on the GPU (issue 36): `fp8_linear`, `fp8_linear_act_and_mul`,
+`fp8_mlp`.
 
 The numbers first (Llama-3.1-8B, H200). A layer's projections hold 218 M
 weights (q/k/v 6144 x 4096, o 4096 x 4096, gate/up 28672 x 4096, down 4096 x
@@ -40,7 +41,9 @@ What runs, by the number of rows T of x (`fp8_linear`):
 - T > 16, per-channel scales: x is quantized per row (`quantize_activations`,
   one small kernel) and `torch._scaled_mm` (cuBLASLt / CUTLASS FP8 with
   row-wise scales: x's (T, 1), W's (1, out)) multiplies; act_and_mul then runs
-  the existing SwiGLU/GeGLU kernel over its output. Where `_scaled_mm` cannot
+  the existing SwiGLU/GeGLU kernel over its output. In the whole MLP
+  (`fp8_mlp`), that activation and the down projection's quantization of it
+  are one kernel (`act_and_mul_quantize`). Where `_scaled_mm` cannot
   (not bf16, K or out not a multiple of 16, Triton's CPU interpreter, or
   USE_SCALED_MM off), the Triton GEMM below does it.
 - T > 16, block scales (bs0, bs1): x is quantized per row and group of 128
@@ -544,6 +547,96 @@ def quantize_activations(x: torch.Tensor, group: int | None) -> tuple[torch.Tens
     return xq, xs
 
 
+# The whole row of act(gate) * up stays in registers up to this many columns (16
+# warps, 32 values a thread: the 8B's I = 14,336; at 32,768 the sm_90a build
+# spills); wider rows take two passes, the second computing it again from gate/up
+# (read from L2, usually). 0: always two passes. scripts/bench_fp8.py --act-quant.
+ACT_QUANT_ONE_PASS = 16384
+
+
+@triton.jit
+def _act_mul_row(y_row, c, ok, I, ACT: tl.constexpr):
+    """act(gate) * up for columns c of one row, rounded as `silu_and_mul` rounds it
+    (act to y's dtype, the product to y's dtype), returned in float32."""
+    gate = tl.load(y_row + c, mask=ok, other=0.0)
+    up = tl.load(y_row + I + c, mask=ok, other=0.0)
+    a = activation(gate.to(tl.float32), ACT).to(gate.dtype)
+    return (a.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+
+
+@triton.jit
+def _act_and_mul_quantize_kernel(
+    y_ptr,  # (T, 2I) laid out [gate | up]
+    xq_ptr,  # (T, I) e4m3, contiguous
+    xs_ptr,  # (T,) float32
+    I,
+    stride_y,
+    ACT: tl.constexpr,
+    CHUNK: tl.constexpr,  # a power of two; with ONE_PASS, >= I
+    ONE_PASS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    """One program a row: h = act(gate) * up, then h quantized per row as
+    `quantize_activations` does it (h is never written in bf16)."""
+    row = tl.program_id(0).to(tl.int64)
+    y_row = y_ptr + row * stride_y
+    q_row = xq_ptr + row * I
+    cols = tl.arange(0, CHUNK)
+    big = tl.full((), FP8_MAX, tl.float32)
+    if ONE_PASS:
+        ok = cols < I
+        h = _act_mul_row(y_row, cols, ok, I, ACT)
+        a = tl.max(tl.abs(h), axis=0)
+        inv = tl.where(a > 0.0, tl.div_rn(big, tl.maximum(a, 1e-30)), 0.0)
+        tl.store(q_row + cols, tl.clamp(h * inv, -FP8_MAX, FP8_MAX).to(tl.float8e4nv), mask=ok)
+    else:  # the row's absmax, then the quantized values (h computed twice)
+        amax = tl.zeros((CHUNK,), dtype=tl.float32)
+        for c0 in range(0, I, CHUNK):
+            c = c0 + cols
+            amax = tl.maximum(amax, tl.abs(_act_mul_row(y_row, c, c < I, I, ACT)))
+        a = tl.max(amax, axis=0)
+        inv = tl.where(a > 0.0, tl.div_rn(big, tl.maximum(a, 1e-30)), 0.0)
+        for c0 in range(0, I, CHUNK):
+            c = c0 + cols
+            h = _act_mul_row(y_row, c, c < I, I, ACT)
+            q = tl.clamp(h * inv, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+            tl.store(q_row + c, q, mask=c < I)
+    tl.store(xs_ptr + row, tl.div_rn(a, big))
+
+
+def act_and_mul_quantize(
+    y: torch.Tensor, act: str, one_pass: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """y (T, 2I) [gate | up] -> `quantize_activations(act_and_mul(y), None)`, bit for
+    bit, in one kernel: (xq (T, I) e4m3, xs (T, 1) float32). The h = act(gate) *
+    up in y's dtype that the down projection would quantize is neither written nor
+    read back. `one_pass`: the widest row held in registers (None:
+    ACT_QUANT_ONE_PASS)."""
+    if act not in reference.FP8_ACTIVATIONS:
+        raise ValueError(
+            f"activation {act!r}: choose one of {', '.join(reference.FP8_ACTIVATIONS)}"
+        )
+    t, two_i = y.shape
+    inter = two_i // 2
+    if y.stride(-1) != 1:
+        y = y.contiguous()
+    xq = torch.empty((t, inter), dtype=FP8, device=y.device)
+    xs = torch.zeros((t, 1), dtype=torch.float32, device=y.device)
+    if t == 0 or inter == 0:
+        return xq, xs
+    single = inter <= (ACT_QUANT_ONE_PASS if one_pass is None else one_pass)
+    chunk = triton.next_power_of_2(inter) if single else 2048
+    _act_and_mul_quantize_kernel[(t,)](
+        y, xq, xs, inter, y.stride(0),
+        ACT=act,
+        CHUNK=chunk,
+        ONE_PASS=single,
+        FP8_MAX=FP8_MAX,
+        num_warps=16 if single and chunk >= 8192 else 4,
+    )  # fmt: skip
+    return xq, xs
+
+
 @triton.jit
 def _gemm_kernel(
     xq_ptr,  # (M, K) e4m3, contiguous
@@ -841,3 +934,48 @@ def fp8_linear_act_and_mul(
         return gemv(x, weight, scale, block_size=block_size, act=act)
     y = fp8_linear(x, weight, scale, block_size=block_size)
     return silu_and_mul(y) if act == "silu" else gelu_tanh_and_mul(y)
+
+
+def fp8_mlp(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_scale: torch.Tensor,
+    down: torch.Tensor,
+    down_scale: torch.Tensor,
+    act: str,
+    *,
+    gate_up_block_size: tuple[int, int] | None = None,
+    down_block_size: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """See `reference.fp8_mlp`. Where both projections go to `torch._scaled_mm`
+    (per-channel scales, more rows than the GEMVs take), act(gate) * up and the
+    down projection's per-row quantization of it are one kernel
+    (`act_and_mul_quantize`): the same bits as `fp8_linear_act_and_mul` then
+    `fp8_linear`, without writing h in bf16 and reading it back (at 1,024 rows of
+    the 8B, 29 MB written and 29-58 MB read a layer). Otherwise those two ops."""
+    rows = x.shape[0] if x.dim() == 2 else 0
+    fused = (
+        gate_up_block_size is None
+        and down_block_size is None
+        and rows > max(GEMV_MAX_ROWS, W8A16_MAX_ROWS)
+        and gate_up.dim() == 2
+        and down.dim() == 2
+        and gate_up.shape[0] == 2 * down.shape[1]
+        and down.shape[0] % 16 == 0
+        and down.stride(-1) == 1
+        and _scaled_mm_ok(x, gate_up, None)
+    )
+    if not fused:
+        h = fp8_linear_act_and_mul(x, gate_up, gate_up_scale, act, block_size=gate_up_block_size)
+        return fp8_linear(h, down, down_scale, block_size=down_block_size)
+    x, gate_up, gu_scale, _ = _prepared(x, gate_up, gate_up_scale, None, None)
+    dn_scale = reference.check_fp8_weight(down, down_scale, None).contiguous()
+    hq, hs = act_and_mul_quantize(scaled_mm(x, gate_up, gu_scale), act)
+    return torch._scaled_mm(
+        hq,
+        down.t(),
+        scale_a=hs,
+        scale_b=dn_scale.view(1, -1),
+        out_dtype=x.dtype,
+        use_fast_accum=SCALED_MM_FAST_ACCUM,
+    )

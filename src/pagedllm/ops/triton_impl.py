@@ -21,7 +21,7 @@ from pagedllm.ops.triton_attention import (
     prefill_attention,
     rope_store_decode_attention,
 )
-from pagedllm.ops.triton_fp8 import fp8_linear, fp8_linear_act_and_mul
+from pagedllm.ops.triton_fp8 import fp8_linear, fp8_linear_act_and_mul, fp8_mlp
 from pagedllm.ops.triton_gemv import linear, linear_gelu_tanh_and_mul, linear_silu_and_mul
 from pagedllm.ops.triton_kv import embedding, store_kvcache
 from pagedllm.ops.triton_norm import fused_add_rms_norm, rms_norm
@@ -38,6 +38,7 @@ __all__ = [
     "linear_gelu_tanh_and_mul",
     "fp8_linear",
     "fp8_linear_act_and_mul",
+    "fp8_mlp",
     "apply_rope",
     "store_kvcache",
     "rope_and_store",
