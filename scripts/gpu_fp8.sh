@@ -13,9 +13,10 @@
 # Knobs: PHASES (default "tests kernels 8b 70b structured"; also "kernels70"
 # (the 70B's shapes), "tuned" (the engine with the weight-only GEMV configs that
 # kernels / kernels70 with KERNEL_FLAGS="--w8-sweep" found earlier on this
-# machine), "8b-bf16",
+# machine; TUNED_8B: its 8B workloads, default "ttft latency throughput"), "8b-bf16",
 # "70b-throughput", "vllm": vLLM 0.26.0's offline benchmark of the 8B in FP8,
-# when a vLLM kit is installed in /tmp/vllm_kit), WORKLOADS_8B (default
+# when a vLLM kit is installed in /tmp/vllm_kit; "accuracy": scripts/accuracy.py
+# on the GGUF at ACC_MODEL, bf16 against FP8), WORKLOADS_8B (default
 # "ttft latency throughput"), KERNEL_FLAGS / KERNEL70_FLAGS (more bench_fp8.py flags), KERNEL_ROWS.
 set -u
 cd "$(dirname "$0")/.."
@@ -106,6 +107,15 @@ for phase in ${PHASES:-tests kernels 8b 70b structured}; do
         else
             echo "vllm: no kit in /tmp/vllm_kit (install it first: .peer/vllm/part2/kit/install.sh)"
         fi
+        ;;
+    accuracy)
+        # Issue 36's accuracy target: the default model's GGUF (ACC_MODEL: its path on
+        # this machine) in bf16 against --quantization fp8, perplexity and greedy answers.
+        timeout 300 "$PY" scripts/accuracy.py --model "${ACC_MODEL:?ACC_MODEL: the GGUF}" \
+            --ref device=cuda dtype=bfloat16 --test device=cuda dtype=bfloat16 quantization=fp8 \
+            >"$OUT/accuracy.txt" 2>&1
+        echo "accuracy rc=$? ($((SECONDS - t0)) s)"
+        grep -v '^{' "$OUT/accuracy.txt" | tail -n 30
         ;;
     *) echo "unknown phase $phase" ;;
     esac
