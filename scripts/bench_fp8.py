@@ -28,8 +28,7 @@ prefill. `rel` is the FP8 result's error against the float32 reference
 (x not quantized): ~3 % is the activations' e4m3 rounding.
 
 `--w8-sweep` times the weight-only GEMV (ops/triton_gemv.py reading float8 W)
-over a grid of (BLOCK_N, BLOCK_K, warps) with W's chunks loaded one iteration
-ahead, and the installed config, at T = 1 and prints the best per
+over a grid of (BLOCK_N, BLOCK_K, warps) at T = 1 and prints the best per
 shape as `W8A16_CONFIGS` entries; with `--e2e PRESET ...` it installs them
 and runs `pagedllm bench latency --quantization fp8` in this process on each
 preset (random weights), the tensor-core GEMV at one row (W8A16_MAX_ROWS = 0)
@@ -269,22 +268,18 @@ def sweep_w8(shapes) -> dict:
         fp8 = fp8_copies(n, k)
         x1 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         timed = []
-        # W's chunks loaded one iteration ahead over the grid, and the installed
-        # config (the last sweep's winner) as it is, for the comparison.
-        grid = [tf.W8A16_CONFIGS.get((n, k), tf.W8A16_DEFAULT_CONFIG)]
+        grid = [tf.W8A16_CONFIGS.get((n, k), tf.W8A16_DEFAULT_CONFIG)]  # installed first
         for block_n in (2, 4, 8, 16):
             for block_k in (512, 1024, 2048):
                 for warps in (4, 8):
                     if 16 * 32 * warps <= block_n * block_k <= 64 * 32 * warps:
-                        grid.append((block_n, block_k, warps, True))  # 16-64 sums a thread
+                        grid.append((block_n, block_k, warps))  # 16-64 sums a thread
         for cfg in dict.fromkeys(tuple(c) for c in grid):
             t1 = time_or_none(partial(w8_call, x1, act=act, config=cfg), fp8)
             if t1:
                 timed.append((t1, cfg))
-        installed = grid[0]
-        print(
-            f"  {name:<9}installed {installed}: {dict((c, t) for t, c in timed).get(tuple(installed))} us"
-        )
+        installed = dict((c, t) for t, c in timed).get(tuple(grid[0]))
+        print(f"  {name:<9}installed {tuple(grid[0])}: {installed or 0:.1f} us")
         timed.sort()
         for t1, cfg in timed[:4]:
             print(f"  {name:<9}{str(cfg):<18}T=1 {t1:7.1f} us ({n * k / t1 / 1e3:5.0f} GB/s)")

@@ -830,11 +830,11 @@ def _w8a16(x: torch.Tensor, block_size, bias: torch.Tensor | None) -> bool:
     )
 
 
-def w8a16_config(weight: torch.Tensor, glu: bool = False) -> tuple[int, ...]:
-    block_n, *rest = W8A16_CONFIGS.get(tuple(weight.shape), W8A16_DEFAULT_CONFIG)
+def w8a16_config(weight: torch.Tensor, glu: bool = False) -> tuple[int, int, int]:
+    block_n, block_k, warps = W8A16_CONFIGS.get(tuple(weight.shape), W8A16_DEFAULT_CONFIG)
     if glu and block_n % 2:
         block_n += 1  # gate and up rows side by side
-    return (block_n, *rest)
+    return block_n, block_k, warps
 
 
 def _scaled_mm_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

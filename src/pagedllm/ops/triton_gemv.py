@@ -59,7 +59,7 @@ CONFIGS: dict[tuple[int, int], tuple[int, int, int]] = {
 }
 
 
-def config_for(n: int, k: int) -> tuple[int, ...]:
+def config_for(n: int, k: int) -> tuple[int, int, int]:
     return CONFIGS.get((n, k), DEFAULT_CONFIG)
 
 
@@ -83,7 +83,6 @@ def _gemv_kernel(
     ACT: tl.constexpr = "silu",  # with GLU: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     HAS_BIAS: tl.constexpr = False,  # not with GLU
     HAS_SCALE: tl.constexpr = False,
-    AHEAD: tl.constexpr = False,  # W's and x's next chunks loaded one iteration ahead
 ):
     pdl_start(PDL)  # ops/triton_pdl.py
     pid = tl.program_id(0)
@@ -104,34 +103,15 @@ def _gemv_kernel(
     # weights never depend on it, so with PDL their load overlaps that kernel.
     k_ok = cols < K
     w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-    if AHEAD:  # and the second
-        k = BLOCK_K + cols
-        w_next = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
     pdl_wait(PDL)
-    x = tl.load(x_row + cols, mask=k_ok, other=0.0)
-    if AHEAD:
-        # Each iteration first asks for the chunks after the one it multiplies, so
-        # that W's next chunk is in flight while this one is converted and summed
-        # (x, loaded as a flat row, reaches the W tile's layout through shared
-        # memory and a barrier: without this, W's load waited for x's).
-        x_next = tl.load(x_row + BLOCK_K + cols, mask=BLOCK_K + cols < K, other=0.0)
-        acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            w = w_next
-            x = x_next
-            k = k0 + BLOCK_K + cols
-            k_ok = k < K
-            w_next = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            x_next = tl.load(x_row + k, mask=k_ok, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    else:
-        acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            k = k0 + cols
-            k_ok = k < K
-            x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * x[None, :]
+    x = tl.load(x_row + cols, mask=k_ok, other=0.0).to(tl.float32)
+    acc = w.to(tl.float32) * x[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        k = k0 + cols
+        k_ok = k < K
+        x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)  # (BLOCK_N,)
     if HAS_SCALE:
         y *= tl.load(s_ptr + rows, mask=row_ok, other=0.0)
@@ -154,7 +134,7 @@ def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     glu: bool = False,
-    config: tuple[int, ...] | None = None,
+    config: tuple[int, int, int] | None = None,
     pdl: bool | None = None,
     act: str = "silu",
     bias: torch.Tensor | None = None,
@@ -163,9 +143,8 @@ def gemv(
     """x (M, K) -> (M, N) = x @ weight.T, weight (N, K); with `glu`, weight is
     (2I, K) laid out [gate | up] and the result (M, I) is act(x @ gate.T) *
     (x @ up.T), `act` "silu" or "gelu_tanh". `config`: (BLOCK_N, BLOCK_K,
-    num_warps[, ahead]), default `config_for(N, K)`; BLOCK_N is rows of W per
-    program (even with `glu`); `ahead` (default False): each chunk of W and x is
-    loaded one iteration before it is multiplied. `pdl`: launch as a programmatic dependent
+    num_warps), default `config_for(N, K)`; BLOCK_N is rows of W per program
+    (even with `glu`). `pdl`: launch as a programmatic dependent
     (ops/triton_pdl.py); None: `use_pdl(x)`. `bias` (N,), without `glu`: added
     to the float32 sums before they are rounded (as `reference.linear`).
     `scale` (N,) float32: each row's float32 sum is multiplied by its scale
@@ -177,8 +156,7 @@ def gemv(
         raise ValueError("a GEMV with an activation takes no bias")
     n, k = weight.shape
     m = x.shape[0]
-    block_n, block_k, warps, *rest = config or config_for(n, k)
-    ahead = bool(rest[0]) if rest else False
+    block_n, block_k, warps = config or config_for(n, k)
     if glu and config is None and block_n % 2:
         block_n += 1  # a tuned entry for a plain projection of the same shape
     if glu and (n % 2 or block_n % 2):
@@ -210,7 +188,6 @@ def gemv(
         ACT=act,
         HAS_BIAS=bias is not None,
         HAS_SCALE=scale is not None,
-        AHEAD=ahead,
         num_warps=warps,
         launch_pdl=pdl,
     )
