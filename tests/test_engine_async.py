@@ -170,6 +170,40 @@ def test_a_failed_step_with_a_continuation_is_undone(tiny, where, fail_with):
     assert [r.output_token_ids for r in reqs] == [w.token_ids for w in want]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failed_step_gives_seeded_requests_their_draws_back(tiny, async_scheduling):
+    """Seeded sampled requests: a step fails after it sampled (reading its ids,
+    with async scheduling after the continuation sampled too). Undone, it gives
+    the generators' draws back, so the outputs are those of a run that never
+    failed (found by a review: the redone step drew the next numbers)."""
+    prompts = prompts_for(tiny.config.vocab_size, n=3)
+    params = [SamplingParams(max_tokens=12, temperature=1.0, seed=40 + i) for i in range(3)]
+    want = LLM(model=tiny, kv_cache_mib=4).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model=tiny, kv_cache_mib=4, async_scheduling=async_scheduling)
+    eng, runner = llm.engine, llm.engine.runner
+    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    for _ in range(4):
+        eng.step()
+    real = runner.collect
+    failed = []
+
+    def failing(step):
+        if not failed:
+            failed.append(step.generator_states)
+            raise RuntimeError("the device went away")
+        return real(step)
+
+    runner.collect = failing
+    with pytest.raises(RuntimeError):
+        eng.step()
+    runner.collect = real
+    assert len(failed[0]) == 3  # the failed step had drawn for every request
+    while eng.has_unfinished():
+        eng.step()
+    assert [r.output_token_ids for r in reqs] == [w.token_ids for w in want]
+    assert_clean(llm)
+
+
 def test_stop_strings_and_streams_on_the_default_model(smollm2):
     """Text-level stops end a request one step after its successor was queued:
     the same texts, finish reasons and streamed pieces as without."""

@@ -472,7 +472,7 @@ class LLMEngine:
         all-decode step) has that successor queued on the device before this
         step's results are read, so the GPU runs it while the host does this
         step's bookkeeping; the successor is collected by the next `_step`."""
-        launched = plan = successor = None
+        launched = plan = successor = queued = None
         advanced: list[tuple[Request, bool]] = []
         if self._constrained:  # forget the finished; the runner masks while any is left
             self._constrained = [r for r in self._constrained if not r.is_finished]
@@ -500,7 +500,7 @@ class LLMEngine:
                 if successor is not None:
                     # With constrained rows only its forward pass is queued: their
                     # masks need this step's tokens (sample_deferred, below).
-                    self._inflight = self.runner.launch(successor, feed=launched)
+                    self._inflight = queued = self.runner.launch(successor, feed=launched)
                     self.num_steps_planned_ahead += 1
             # The sampled ids on the host (the step's one wait for the device).
             result = self.runner.collect(launched)
@@ -517,12 +517,16 @@ class LLMEngine:
             # A failed step is undone (its tokens are planned again; the pages
             # it named are unnamed), whether it failed in the runner or a Ctrl-C
             # landed at the end of the planning; so is a successor planned on it,
-            # and so are the matchers' steps over its tokens.
+            # and so are the matchers' steps over its tokens and the seeded
+            # generators' draws for both (the successor's first: it drew last).
             self._inflight = None
             with deferred_interrupts():
                 for req, ok in advanced:
                     if ok:
                         req.matcher.rollback(1)
+                for undone in (queued, launched):
+                    if undone is not None:
+                        self.runner.restore_generators(undone)
                 if successor is not None:
                     self.scheduler.undo_step(successor)
                 if plan is not None:

@@ -93,6 +93,9 @@ class LaunchedStep:
     # metadata, requests) of a continuation whose sampling waits until its matchers
     # have consumed the tokens of the step before (`ModelRunner.sample_deferred`).
     deferred: tuple | None = None
+    # Each seeded request's generator state before this step drew from it
+    # (`ModelRunner.restore_generators`: a step that is undone gives its draws back).
+    generator_states: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -610,6 +613,10 @@ class ModelRunner:
         self, step: LaunchedStep, logits: torch.Tensor, meta: SamplingMetadata, done_reqs: list
     ) -> None:
         """Queue the sampling of `step`'s rows and the copy of the ids to the host."""
+        for r in done_reqs:
+            gen = self._generators.get(r.request_id)
+            if gen is not None:  # host-side state (seed and offset): no device wait
+                step.generator_states[r.request_id] = gen.get_state()
         out = self.sampler(logits, meta)
         step.sampled = out.sampled_token_ids
         step.logprobs = out.logprobs
@@ -683,6 +690,15 @@ class ModelRunner:
             except BaseException as e:
                 self.workers.step_failed(e)  # a dead worker is reported; else: broken
                 raise
+
+    def restore_generators(self, step: LaunchedStep) -> None:
+        """Put each seeded request's generator back where it was before `step`
+        sampled: the engine undoes a failed step, plans its tokens again, and the
+        draws must be those of a run that never failed."""
+        for request_id, state in step.generator_states.items():
+            gen = self._generators.get(request_id)
+            if gen is not None:
+                gen.set_state(state)
 
     def _generator(self, req: Request) -> torch.Generator | None:
         """A seeded request's own generator, made at its first sample and kept until it finishes."""
