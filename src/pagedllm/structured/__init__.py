@@ -145,8 +145,24 @@ on 12, means over 20 steps; `long string`: 4.4 and 5.2); on this project's
 as fast as one template. So a constraint now keeps one independent template
 per filling thread (`CompiledConstraint.add_copies`, on the cache's thread
 after the first request may start; 0.2-0.6 ms each) and hands them out in
-turn. Not measured on the GPU yet: the next `bench_structured.py` run says
-what it gives there.
+turn. Measured on the H200 (2026-12-05, docs/benchmarks.md): `typical`
+11.6 -> 6.77 ms a step (2.53x a plain step's 2.67), `long string` 8.0 ->
+3.97 ms (1.48x); the fill 4.98 and 1.73 ms.
+
+That run still counted 5.9 ms a step of tokenizer callback (summed over the
+fill's threads) for `typical`, while `scripts/bench_fill.py` on the 2-core
+machine sees about one callback a step, 0.05 ms: on the many-core host a
+callback waits for the GIL, and the row it belongs to waits with it. So
+where our tokenizer came from a tokenizer.json (Llama 3's, an HF
+directory's), llguidance now tokenizes forced text with its own Rust copy of
+that file (`_native_tokenizer`, with the GIL released throughout), once it
+has checked that the copy agrees with ours: every id's bytes, the special
+ids, and a few probe texts encoded alike (tests/test_structured.py holds the
+masks of both to each other, step after step). It costs about 0.6 s more the
+first time a tokenizer is constrained (llguidance parses the file). A GGUF's
+tokenizer keeps the callback. Not yet measured on the GPU; on the 2-core
+machine the fill is the same within noise (1.5-2.6 ms for 64 rows either
+way). `PAGEDLLM_LLG_NATIVE=0` turns it off.
 
 What is left is llguidance's own work per row. Inside a string bounded by a
 short `maxLength` (the person's name, at most 8 characters) no slice of
