@@ -15,7 +15,9 @@
 # kernels / kernels70 with KERNEL_FLAGS="--w8-sweep" found earlier on this
 # machine; TUNED_8B: its 8B workloads, default "ttft latency throughput"), "8b-bf16",
 # "70b-throughput", "vllm": vLLM 0.26.0's offline benchmark of the 8B in FP8,
-# when a vLLM kit is installed in /tmp/vllm_kit; "accuracy": scripts/accuracy.py
+# when a vLLM kit is installed in /tmp/vllm_kit; "vllm-structured": its
+# constrained-decoding cost, scripts/peer_structured.py; "fill": bench_fill.py
+# and bench_structured.py with our tokenizer callback; "accuracy": scripts/accuracy.py
 # on the GGUF at ACC_MODEL, bf16 against FP8), WORKLOADS_8B (default
 # "ttft latency throughput"), KERNEL_FLAGS / KERNEL70_FLAGS (more bench_fp8.py flags), KERNEL_ROWS.
 set -u
@@ -106,6 +108,27 @@ for phase in ${PHASES:-tests kernels 8b 70b structured}; do
             tail -n 7 "$OUT/vllm_8b_fp8.log"
         else
             echo "vllm: no kit in /tmp/vllm_kit (install it first: .peer/vllm/part2/kit/install.sh)"
+        fi
+        ;;
+    fill)
+        # Issue 37: the fill alone on this host's cores, llguidance's own tokenizer
+        # against our callback; then bench_structured.py with the callback.
+        timeout 200 "$PY" scripts/bench_fill.py >"$OUT/fill.txt" 2>&1
+        echo "bench_fill rc=$? ($((SECONDS - t0)) s)"
+        grep -v '^{' "$OUT/fill.txt" | tail -n 6
+        PAGEDLLM_LLG_NATIVE=0 timeout 240 "$PY" scripts/bench_structured.py \
+            --json "$OUT/structured_callback.json" >"$OUT/structured_callback.txt" 2>&1
+        echo "bench_structured, callback rc=$? ($((SECONDS - t0)) s)"
+        grep -E "^(unconstrained|typical|long string)|fill bitmask|tokenizer callback" \
+            "$OUT/structured_callback.txt"
+        ;;
+    vllm-structured)
+        if [ -f /tmp/vllm_kit/offline.py ]; then
+            timeout 420 "$PY" scripts/peer_structured.py >"$OUT/vllm_structured.log" 2>&1
+            echo "vllm structured rc=$? ($((SECONDS - t0)) s)"
+            grep -v '^{' "$OUT/vllm_structured.log" | tail -n 8
+        else
+            echo "vllm-structured: no kit in /tmp/vllm_kit (install it first: .peer/vllm/part2/kit/install.sh)"
         fi
         ;;
     accuracy)
