@@ -57,13 +57,29 @@ TYPICAL = {
 LONG_STRING = {"type": "string", "minLength": 400, "maxLength": 600}
 
 
+def prompt_ids(seed0: int, i: int) -> list[int]:
+    """Request i's 32 prompt ids in the run seeded seed0 (scripts/peer_structured.py
+    gives vLLM the same)."""
+    return [(seed0 * 7919 + i * 104729 + k * 31) % 1000 + 1000 for k in range(32)]
+
+
+def print_steps(rows: dict) -> None:
+    """The table of median steps, each against the unconstrained row's."""
+    base = rows["unconstrained"]["median_step_ms"]
+    print(f"{'requests':<22}{'median step ms':>16}{'vs plain':>10}{'steps measured':>16}")
+    for name, r in rows.items():
+        ms = r["median_step_ms"]
+        ratio = f"{ms / base:.3f}x" if ms and base else "-"
+        print(f"{name:<22}{ms or 0:>16.3f}{ratio:>10}{r['full_steps']:>16}")
+
+
 def run(llm, batch: int, structured, max_tokens: int, seed0: int, timer=None) -> dict:
     from pagedllm import SamplingParams
 
     engine = llm.engine
     reqs = []
     for i in range(batch):
-        prompt = [(seed0 * 7919 + i * 104729 + k * 31) % 1000 + 1000 for k in range(32)]
+        prompt = prompt_ids(seed0, i)
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0,
@@ -283,14 +299,9 @@ def main(argv=None) -> int:
     first_ms = 1e3 * (time.perf_counter() - t0)
     while engine.has_unfinished():
         engine.step()
-    base = rows["unconstrained"]["median_step_ms"]
     mode = "async scheduling" if engine.async_scheduling else "no async scheduling"
     print(f"constrained decoding, batch {args.batch}: {what} on {args.device}, {mode}")
-    print(f"{'requests':<22}{'median step ms':>16}{'vs plain':>10}{'steps measured':>16}")
-    for name, r in rows.items():
-        ms = r["median_step_ms"]
-        ratio = f"{ms / base:.3f}x" if ms and base else "-"
-        print(f"{name:<22}{ms or 0:>16.3f}{ratio:>10}{r['full_steps']:>16}")
+    print_steps(rows)
     print(f"first request of a new schema: {first_ms:.1f} ms to its first token")
     if timer is not None:
         print_breakdown(rows)

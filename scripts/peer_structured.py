@@ -25,12 +25,8 @@ BATCH = 64
 MAX_TOKENS = 96
 
 
-def schemas() -> dict:
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, here)
-    from bench_structured import LONG_STRING, TYPICAL
-
-    return {"typical": TYPICAL, "long string": LONG_STRING}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_structured import LONG_STRING, TYPICAL, print_steps, prompt_ids  # noqa: E402
 
 
 def run(engine, schema, seed0: int) -> dict:
@@ -40,7 +36,6 @@ def run(engine, schema, seed0: int) -> dict:
 
     ids = []
     for i in range(BATCH):
-        prompt = [(seed0 * 7919 + i * 104729 + k * 31) % 1000 + 1000 for k in range(32)]
         params = SamplingParams(
             max_tokens=MAX_TOKENS,
             temperature=1.0,
@@ -49,7 +44,7 @@ def run(engine, schema, seed0: int) -> dict:
             structured_outputs=None if schema is None else StructuredOutputsParams(json=schema),
         )
         rid = f"r{seed0}-{i}"
-        engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt_ids(seed0, i)), params)
         ids.append(rid)
     done: set[str] = set()
     steps = []  # (seconds, requests running when the step began)
@@ -93,16 +88,11 @@ def main() -> int:
     init_s = time.time() - t0
     engine = llm.llm_engine
     rows = {"unconstrained": run(engine, None, 1)}
-    for name, schema in schemas().items():
+    for name, schema in {"typical": TYPICAL, "long string": LONG_STRING}.items():
         rows[name] = run(engine, schema, 2 if name == "typical" else 3)
-    plain = rows["unconstrained"]["median_step_ms"]
     print(f"vLLM {vllm.__version__}, {torch.cuda.get_device_name()}, engine init {init_s:.1f} s")
     print(f"batch {BATCH}, Llama-3.2-1B shape, dummy weights")
-    print(f"{'requests':<16}{'median step ms':>16}{'vs plain':>10}{'steps measured':>16}")
-    for name, r in rows.items():
-        ms = r["median_step_ms"]
-        ratio = f"{ms / plain:.3f}x" if ms and plain else "n/a"
-        print(f"{name:<16}{ms or 0:>16.3f}{ratio:>10}{r['full_steps']:>16}")
+    print_steps(rows)
     print(json.dumps({"bench": "structured", "engine": f"vllm {vllm.__version__}", "rows": rows}))
     return 0
 
