@@ -152,7 +152,8 @@ turn. Measured on the H200 (2026-12-05, docs/benchmarks.md): `typical`
 That run still counted 5.9 ms a step of tokenizer callback (summed over the
 fill's threads) for `typical`, while `scripts/bench_fill.py` on the 2-core
 machine sees about one callback a step, 0.05 ms: on the many-core host a
-callback waits for the GIL, and the row it belongs to waits with it. So
+callback most likely waits for the GIL (not proven), and the row it
+belongs to waits with it. So
 where our tokenizer came from a tokenizer.json (Llama 3's, an HF
 directory's), llguidance now tokenizes forced text with its own Rust copy of
 that file (`_native_tokenizer`, with the GIL released throughout), once it
