@@ -170,12 +170,14 @@ def test_a_failed_step_with_a_continuation_is_undone(tiny, where, fail_with):
     assert [r.output_token_ids for r in reqs] == [w.token_ids for w in want]
 
 
+@pytest.mark.parametrize("where", ["collect", "sampler"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_failed_step_gives_seeded_requests_their_draws_back(tiny, async_scheduling):
-    """Seeded sampled requests: a step fails after it sampled (reading its ids,
-    with async scheduling after the continuation sampled too). Undone, it gives
-    the generators' draws back, so the outputs are those of a run that never
-    failed (found by a review: the redone step drew the next numbers)."""
+def test_a_failed_step_gives_seeded_requests_their_draws_back(tiny, async_scheduling, where):
+    """Seeded sampled requests: a step fails after it sampled, reading its ids
+    (with async scheduling after the continuation sampled too), or inside its
+    launch, right after the sampler drew (a Ctrl-C there). Undone, it gives the
+    generators' draws back, so the outputs are those of a run that never
+    failed (found by reviews: the redone step drew the next numbers)."""
     prompts = prompts_for(tiny.config.vocab_size, n=3)
     params = [SamplingParams(max_tokens=12, temperature=1.0, seed=40 + i) for i in range(3)]
     want = LLM(model=tiny, kv_cache_mib=4).generate(prompts, params, use_tqdm=False)
@@ -184,20 +186,24 @@ def test_a_failed_step_gives_seeded_requests_their_draws_back(tiny, async_schedu
     reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
     for _ in range(4):
         eng.step()
-    real = runner.collect
+    real = getattr(runner, where)
     failed = []
 
-    def failing(step):
-        if not failed:
-            failed.append(step.generator_states)
+    def failing(*args):
+        if failed:
+            return real(*args)
+        if where == "collect":
+            failed.append(len(args[0].generator_states))
             raise RuntimeError("the device went away")
-        return real(step)
+        real(*args)  # drawn
+        failed.append(len(args[1].generators))
+        raise KeyboardInterrupt
 
-    runner.collect = failing
-    with pytest.raises(RuntimeError):
+    setattr(runner, where, failing)
+    with pytest.raises((RuntimeError, KeyboardInterrupt)):
         eng.step()
-    runner.collect = real
-    assert len(failed[0]) == 3  # the failed step had drawn for every request
+    setattr(runner, where, real)
+    assert failed == [3]  # the failed step had drawn for every request
     while eng.has_unfinished():
         eng.step()
     assert [r.output_token_ids for r in reqs] == [w.token_ids for w in want]

@@ -961,6 +961,7 @@ def fp8_mlp(
         and gate_up.dim() == 2
         and down.dim() == 2
         and gate_up.shape[0] == 2 * down.shape[1]
+        and down.shape[1] % 16 == 0  # h's K: what _scaled_mm takes (as `_scaled_mm_ok`)
         and down.shape[0] % 16 == 0
         and down.stride(-1) == 1
         and _scaled_mm_ok(x, gate_up, None)

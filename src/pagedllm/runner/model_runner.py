@@ -617,16 +617,24 @@ class ModelRunner:
             gen = self._generators.get(r.request_id)
             if gen is not None:  # host-side state (seed and offset): no device wait
                 step.generator_states[r.request_id] = gen.get_state()
-        out = self.sampler(logits, meta)
-        step.sampled = out.sampled_token_ids
-        step.logprobs = out.logprobs
-        step.logprobs_ks = [r.sampling_params.logprobs for r in done_reqs]
-        if self.pin:
-            # The one device-to-host copy, started now; collect() waits for it.
-            step.host_ids = torch.empty(len(step.done), dtype=step.sampled.dtype, pin_memory=True)
-            step.host_ids.copy_(step.sampled, non_blocking=True)
-            step.copied = torch.cuda.Event()
-            step.copied.record()
+        try:
+            out = self.sampler(logits, meta)
+            step.sampled = out.sampled_token_ids
+            step.logprobs = out.logprobs
+            step.logprobs_ks = [r.sampling_params.logprobs for r in done_reqs]
+            if self.pin:
+                # The one device-to-host copy, started now; collect() waits for it.
+                step.host_ids = torch.empty(
+                    len(step.done), dtype=step.sampled.dtype, pin_memory=True
+                )
+                step.host_ids.copy_(step.sampled, non_blocking=True)
+                step.copied = torch.cuda.Event()
+                step.copied.record()
+        except BaseException:
+            # The engine never sees this step (launch raises before returning it):
+            # give the draws back here.
+            self.restore_generators(step)
+            raise
 
     def _mask(self, logits: torch.Tensor, constrained: list[tuple[int, Any]]) -> torch.Tensor:
         """Constrained decoding (structured/): each constrained row's logits of the
