@@ -17,7 +17,7 @@
 # "70b-throughput", "vllm": vLLM 0.26.0's offline benchmark of the 8B in FP8,
 # when a vLLM kit is installed in /tmp/vllm_kit; "vllm-structured": its
 # constrained-decoding cost, scripts/peer_structured.py; "fill": bench_fill.py
-# and bench_structured.py with our tokenizer callback; "accuracy": scripts/accuracy.py
+# on 1 thread and on the default count; "accuracy": scripts/accuracy.py
 # on the GGUF at ACC_MODEL, bf16 against FP8), WORKLOADS_8B (default
 # "ttft latency throughput"), KERNEL_FLAGS / KERNEL70_FLAGS (more bench_fp8.py flags), KERNEL_ROWS.
 set -u
@@ -111,16 +111,12 @@ for phase in ${PHASES:-tests kernels 8b 70b structured}; do
         fi
         ;;
     fill)
-        # Issue 37: the fill alone on this host's cores, llguidance's own tokenizer
-        # against our callback; then bench_structured.py with the callback.
-        timeout 200 "$PY" scripts/bench_fill.py >"$OUT/fill.txt" 2>&1
+        # Issue 37: the fill alone on this host's cores (callbacks counted), on 1
+        # thread and on the default count.
+        timeout 200 "$PY" scripts/bench_fill.py --threads 1 >"$OUT/fill.txt" 2>&1
+        timeout 200 "$PY" scripts/bench_fill.py >>"$OUT/fill.txt" 2>&1
         echo "bench_fill rc=$? ($((SECONDS - t0)) s)"
         grep -v '^{' "$OUT/fill.txt" | tail -n 6
-        PAGEDLLM_LLG_NATIVE=0 timeout 240 "$PY" scripts/bench_structured.py \
-            --json "$OUT/structured_callback.json" >"$OUT/structured_callback.txt" 2>&1
-        echo "bench_structured, callback rc=$? ($((SECONDS - t0)) s)"
-        grep -E "^(unconstrained|typical|long string)|fill bitmask|tokenizer callback" \
-            "$OUT/structured_callback.txt"
         ;;
     vllm-structured)
         if [ -f /tmp/vllm_kit/offline.py ]; then

