@@ -770,17 +770,21 @@ def scaled_mm(
     with row-wise scales, x's (T, 1) and W's (1, N). W (N, K) row-major is the
     column-major (K, N) operand it wants, as it is: no copy. `use_fast_accum`: None
     is `SCALED_MM_FAST_ACCUM`."""
-    if use_fast_accum is None:
-        use_fast_accum = SCALED_MM_FAST_ACCUM
     xq, xs = quantize_activations(x, None)
+    return _scaled_mm_of(xq, xs, weight, weight_scale, x.dtype, bias, use_fast_accum)
+
+
+def _scaled_mm_of(xq, xs, weight, weight_scale, out_dtype, bias=None, use_fast_accum=None):
+    """`torch._scaled_mm` of x already quantized per row (xq (T, K) e4m3, xs (T, 1))
+    and W (N, K) with one scale per row: (T, N) in `out_dtype`."""
     return torch._scaled_mm(
         xq,
         weight.t(),
         scale_a=xs,
         scale_b=weight_scale.view(1, -1),
         bias=bias,
-        out_dtype=x.dtype,
-        use_fast_accum=use_fast_accum,
+        out_dtype=out_dtype,
+        use_fast_accum=SCALED_MM_FAST_ACCUM if use_fast_accum is None else use_fast_accum,
     )
 
 
@@ -972,11 +976,4 @@ def fp8_mlp(
     x, gate_up, gu_scale, _ = _prepared(x, gate_up, gate_up_scale, None, None)
     dn_scale = reference.check_fp8_weight(down, down_scale, None).contiguous()
     hq, hs = act_and_mul_quantize(scaled_mm(x, gate_up, gu_scale), act)
-    return torch._scaled_mm(
-        hq,
-        down.t(),
-        scale_a=hs,
-        scale_b=dn_scale.view(1, -1),
-        out_dtype=x.dtype,
-        use_fast_accum=SCALED_MM_FAST_ACCUM,
-    )
+    return _scaled_mm_of(hq, hs, down, dn_scale, x.dtype)
