@@ -1,14 +1,16 @@
 """The host's side of constrained decoding alone: `fill_bitmask` over a batch of
 matchers of one schema, with Llama 3's 128,256 ids, no model and no GPU.
 
-A batch of `--batch` matchers of `bench_structured.py`'s `typical` schema walks
-forward together: each step fills every row's mask (`structured.fill_bitmask`,
-llguidance's threads), then each matcher takes a token drawn uniformly from
-its allowed ones (as a random model would). Prints the median and mean fill
-per step, and how often llguidance called back into our tokenizer (and for
-how long, summed over threads: on the H200's 16-core host, inside the
-engine, about one call a step cost 5.9 ms). `--threads` sets the fill's
-threads (default: `fill_threads()`).
+A batch of `--batch` matchers of `bench_structured.py`'s `typical` schema
+(compact whitespace, as there; `--whitespace flexible` for the API's default)
+walks forward together: each step fills every row's mask
+(`structured.fill_bitmask`, llguidance's threads), then each matcher takes a
+token drawn uniformly from its allowed ones (as a random model would). Prints
+the median and mean fill per step, and how often llguidance called back into
+our tokenizer: calls per step, their time summed over threads, and how many
+came from a thread other than the caller's (llguidance's own threads, where
+each call makes a Python thread state and waits for the GIL). `--threads`
+sets the fill's threads (default: `fill_threads()`).
 
     PYTHONPATH=src python3 scripts/bench_fill.py [--threads 12]
 
@@ -21,6 +23,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,12 +39,13 @@ from pagedllm.structured.bitmask import allocate_bitmask  # noqa: E402
 from pagedllm.tokenizer import Tokenizer  # noqa: E402
 
 
-def run(tok: Tokenizer, batch: int, steps: int, seed: int) -> dict:
+def run(tok: Tokenizer, batch: int, steps: int, seed: int, whitespace: str) -> dict:
     t0 = time.perf_counter()
     adapter = matcher_module.TokenizerAdapter(tok)
     build_s = time.perf_counter() - t0
-    calls = [0, 0.0]
+    calls = [0, 0.0, 0]  # calls, seconds, calls off the calling thread
     real = matcher_module._Tokenize.__call__
+    caller = threading.get_ident()
 
     def counted(self, text):
         t = time.perf_counter()
@@ -50,11 +54,12 @@ def run(tok: Tokenizer, batch: int, steps: int, seed: int) -> dict:
         finally:
             calls[0] += 1
             calls[1] += time.perf_counter() - t
+            calls[2] += threading.get_ident() != caller
 
     matcher_module._Tokenize.__call__ = counted
     try:
         cache = ConstraintCache(adapter)
-        constraint = StructuredOutput(json=TYPICAL)
+        constraint = StructuredOutput(json=TYPICAL, whitespace=whitespace)
         compiled = cache.get(constraint)
         compiled.add_copies(matcher_module.fill_threads())
         matchers = [compiled.matcher() for _ in range(batch)]
@@ -79,6 +84,7 @@ def run(tok: Tokenizer, batch: int, steps: int, seed: int) -> dict:
         "mean_fill_ms": round(1e3 * statistics.mean(fills), 3),
         "callbacks_per_step": calls[0] / steps,
         "callback_ms_per_step": round(1e3 * calls[1] / steps, 3),
+        "callbacks_off_caller_per_step": calls[2] / steps,
     }
 
 
@@ -88,6 +94,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--whitespace", choices=("compact", "flexible"), default="compact")
     args = ap.parse_args()
     if args.threads is not None:
         matcher_module.fill_threads = lambda: args.threads
@@ -98,15 +105,18 @@ def main() -> int:
     tok = Tokenizer.from_file(path)
     rows = []
     for r in range(args.repeats):
-        row = run(tok, args.batch, args.steps, seed=r)
+        row = run(tok, args.batch, args.steps, seed=r, whitespace=args.whitespace)
         rows.append(row)
         print(
             f"threads {matcher_module.fill_threads():>2}  "
             f"fill median {row['median_fill_ms']:7.3f} ms  mean {row['mean_fill_ms']:7.3f} ms  "
             f"callbacks {row['callbacks_per_step']:5.1f}/step "
-            f"({row['callback_ms_per_step']:.3f} ms)  adapter {row['adapter_build_s']:.2f} s"
+            f"({row['callback_ms_per_step']:.3f} ms, "
+            f"{row['callbacks_off_caller_per_step']:.1f} off the caller)  "
+            f"adapter {row['adapter_build_s']:.2f} s"
         )
-    print(json.dumps({"bench": "fill", "batch": args.batch, "rows": rows}))
+    record = {"bench": "fill", "batch": args.batch, "whitespace": args.whitespace, "rows": rows}
+    print(json.dumps(record))
     return 0
 
 

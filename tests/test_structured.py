@@ -438,6 +438,38 @@ def test_the_tokenizer_callback_remembers_texts(tok, monkeypatch):
     assert set(tokenize._memo) == {"x"}
 
 
+def test_fill_bitmask_tokenizes_forced_text_on_the_calling_thread(tok, cache, monkeypatch):
+    """Forced text (`","age":`) is tokenized by our tokenizer, a call into Python.
+    From llguidance's worker threads each call would make a thread state and wait
+    for the GIL, so `fill_bitmask` has the forced tokens computed on its own
+    thread first: every call comes from the caller, and every row is still the
+    mask a fill of that row alone gives, step after step of a random walk."""
+    constraint = StructuredOutput(json=SCHEMAS[0][1], whitespace="compact")
+    matchers = [cache.matcher(constraint) for _ in range(6)]
+    callers = []
+    real = matcher_module._Tokenize.__call__
+
+    def spy(self, text):
+        callers.append(threading.get_ident())
+        return real(self, text)
+
+    monkeypatch.setattr(matcher_module._Tokenize, "__call__", spy)
+    bitmask = allocate_bitmask(6, cache.adapter.vocab_size, pin=False)
+    rng = np.random.default_rng(11)
+    for _ in range(12):
+        rows = [(i, m) for i, m in enumerate(matchers) if not m.is_finished]
+        if not rows:
+            break
+        fill_bitmask(bitmask, rows)
+        for i, m in rows:
+            one = np.zeros(cache.adapter.words, np.int32)
+            m.allowed(one)
+            assert np.array_equal(bitmask[i].numpy(), one), i
+            assert m.advance(int(rng.choice(allowed_ids(one)))), m.error
+    assert callers, "no row had forced text: the test lost its point"
+    assert set(callers) == {threading.get_ident()}
+
+
 def test_masks_are_the_same_through_the_remembering_callback(tok, cache):
     """Masks of forced text (which call the tokenizer) equal those of a new
     adapter whose memo is empty, step after step: remembering changes nothing."""

@@ -150,10 +150,20 @@ turn. Measured on the H200 (2026-12-05, docs/benchmarks.md): `typical`
 3.97 ms (1.48x); the fill 4.98 and 1.73 ms.
 
 That run still counted 5.9 ms a step of tokenizer callback (summed over the
-fill's threads) for `typical`, while `scripts/bench_fill.py` on the 2-core
-machine sees about one callback a step, 0.05 ms: on the many-core host a
-callback most likely waits for the GIL (not proven), and the row it
-belongs to waits with it.
+fill's threads) for `typical`. Where that went (found on the 2-core
+machine, 2026-12-05): with compact JSON about 35 of 64 rows have forced
+bytes each step, and llguidance tokenizes them from its own worker
+threads. Python does not know those threads, so each call makes a thread
+state and waits for the GIL; the Python function itself takes 5-8 us.
+(`scripts/bench_fill.py` had seen about one call a step only because it
+used flexible whitespace, which forces little.) Now `fill_bitmask` first
+asks each row for its forced tokens on the calling thread
+(`LLMatcher.compute_ff_tokens`, re-entering our tokenizer with the GIL
+held), and the matcher keeps them for its next mask, so the workers never
+call Python. `bench_fill.py` (64 rows, compact), median fill per step over
+three runs: 2.0-2.5 -> 1.5-2.2 ms on one thread, 2.9-3.3 -> 1.4-1.8 ms on
+two; calls off the calling thread 35 -> 0 a step. The masks are unchanged
+(tests). The H200's figure is not measured yet.
 
 Tried and not kept: letting llguidance tokenize forced text with its own
 Rust copy of the tokenizer.json (`LLTokenizer(path)`), which needs no
@@ -194,11 +204,13 @@ llguidance's matchers are Rust objects behind PyO3, which checks borrows at
 run time (two threads on one matcher get an error, never a torn state), and
 building a matcher or filling a mask releases the GIL. Compiles run on the
 cache's worker thread (`ConstraintCache.submit`); each matcher is used by
-the stepping thread only. llguidance calls back into our tokenizer while it
-fills a mask whose next bytes are forced (holding the GIL, about once per two
-tokens of JSON): 10-30 us for our BPE, a dict lookup once the text was seen
+the stepping thread only. llguidance calls back into our tokenizer for a
+mask whose next bytes are forced (about once per two tokens of compact
+JSON): 10-30 us for our BPE, a dict lookup once the text was seen
 (`_Tokenize` remembers up to 8192 texts); the callback never raises
-(`matcher.py`).
+(`matcher.py`). `fill_bitmask` makes those calls on its own thread before
+the parallel fill (`_prime_forced_tokens`), never from llguidance's
+threads.
 
 ## Syntaxes
 

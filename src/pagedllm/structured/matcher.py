@@ -17,7 +17,8 @@ borrow at run time: two threads that use one matcher at once get an error,
 never a torn state. Building a matcher and filling a mask release the GIL.
 So: compile on any thread (the cache serialises nothing but its dictionary);
 use each `Matcher` from one thread at a time (the stepping thread: fill while
-the GPU runs, advance after sampling). The compiled template of a constraint
+the GPU runs, advance after sampling). llguidance's own threads fill the rows
+of a batch, and never call our tokenizer (`_prime_forced_tokens`). The compiled template of a constraint
 is never advanced, only copied (`LLMatcher.deep_copy`, about a microsecond).
 A copy shares its template's lexer, behind a lock, so a constraint keeps one
 independent template per filling thread (`CompiledConstraint`).
@@ -88,10 +89,10 @@ class TokenizerAdapter:
 class _Tokenize:
     """What llguidance's `TokenizerWrapper` reads: the vocabulary's bytes, the
     special ids, EOS, and a text -> ids function. llguidance calls the
-    function while it fills a mask whose next bytes are forced (`{"name":"`),
-    to allow only the tokens our BPE would write for them: in a JSON output
-    about once per two tokens, 10-30 us each (holding the GIL, also from the
-    threads of `fill_bitmask`). Text only: raising on
+    function for a mask whose next bytes are forced (`{"name":"`), to allow
+    only the tokens our BPE would write for them: in compact JSON about once
+    per two tokens, 10-30 us each, holding the GIL (`fill_bitmask` makes these
+    calls on its own thread: `_prime_forced_tokens`). Text only: raising on
     bytes makes the wrapper hand us `str`, which our encoder takes. It must
     never raise on text: an exception there is a panic in llguidance, which
     would put the request's matcher in its error state; should our encoder
@@ -112,9 +113,8 @@ class _Tokenize:
             raise TypeError("text only")
         # The texts repeat: a schema's forced keys and punctuation after one of a
         # few last tokens, in every request of that schema. A hit costs a dict
-        # lookup under the GIL instead of our BPE (10-30 us): with the fill spread
-        # over many threads, each of those waits for the GIL, and on a 16-core
-        # host the waiting cost more than the masks (docs: structured/__init__.py).
+        # lookup instead of our BPE (10-30 us), and these calls run one after
+        # another on the stepping thread before the parallel fill.
         ids = self._memo.get(text)
         if ids is not None:
             return ids
@@ -492,6 +492,11 @@ def fill_bitmask(bitmask: Any, rows: Sequence[tuple[int, Matcher]]) -> None:
         _, i, m = live[0]
         m.unsafe_compute_mask_ptr(ptr + i * row_bytes, row_bytes)
     elif live:
+        # Forced text first, on this thread. Where a row's next bytes are forced
+        # (`","age":`), llguidance turns them into tokens with our tokenizer, a
+        # call into Python; from its own threads each such call makes a Python
+        # thread state and waits for the GIL (measured: see _prime_forced_tokens).
+        _prime_forced_tokens(live)
         with _executor_lock:
             if _executor is None:
                 import llguidance
@@ -503,3 +508,23 @@ def fill_bitmask(bitmask: Any, rows: Sequence[tuple[int, Matcher]]) -> None:
         _executor.unsafe_compute_mask_ptr([(m, i) for _, i, m in live], ptr, row_bytes, batch)
     for i, j in copies:
         ctypes.memmove(ptr + i * row_bytes, ptr + j * row_bytes, row_bytes)
+
+
+def _prime_forced_tokens(live: Sequence[tuple[Any, int, Any]]) -> None:
+    """Have each row's forced tokens computed on the calling thread, before the
+    parallel fill.
+
+    `LLMatcher.compute_ff_tokens` tokenizes the row's forced bytes (our
+    `_Tokenize`, re-entered on this thread with the GIL already held: a few
+    microseconds through its memo) and the matcher keeps the answer until its
+    next mask, which then takes it instead of calling back. Without this the
+    calls come from llguidance's worker threads, which Python does not know:
+    each makes a thread state and waits for the GIL. With compact JSON about
+    35 of 64 rows call back each step; on the 2-core CPU machine that cost
+    about 2 ms a step of light rows (`scripts/bench_fill.py` counts the calls
+    off the calling thread). A stopped matcher's mask is EOS alone: skipped.
+    Nothing else changes: the tokens are those the mask would have computed.
+    """
+    for _, _, m in live:
+        if not m.is_stopped():
+            m.compute_ff_tokens()
