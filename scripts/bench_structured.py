@@ -172,6 +172,8 @@ PARTS = (
     ("apply bitmask", 2),
     ("sampling metadata", 1),
     ("sampler", 1),
+    ("sampler scores", 1),
+    ("pick", 1),
     ("collect", 0),
     ("constrained: advance", 0),
     ("constrained: sample", 0),
@@ -207,6 +209,8 @@ def part_timer(llm) -> PartTimer:
         (matcher._Tokenize, "__call__", "tokenizer callback"),
         (SamplingMetadata, "from_requests", "sampling metadata"),
         (Sampler, "__call__", "sampler"),
+        (Sampler, "scores", "sampler scores"),
+        (Sampler, "pick", "pick"),
     ):
         t.wrap(owner, name, label)
     return t

@@ -222,6 +222,75 @@ def test_greedy_with_penalties_is_argmax_of_penalised_logits():
     assert out.sampled_token_ids.tolist() == [1]  # 3.0 / 1.2 < 2.9
 
 
+@pytest.mark.parametrize(
+    "label",
+    ["random", "seeded and greedy rows", "penalties and min_tokens", "greedy, bf16"],
+)
+def test_scores_masked_after_give_the_ids_of_masking_first(label):
+    """Constrained decoding masks the sampler's scores after the noise is drawn
+    (`Sampler.scores`, then `pick`) where sampling is token by token: the ids
+    must be those of masking the logits first, bit for bit, with the same draws.
+    The mask: random rows of a batch, some rows unmasked, one allowing 1 id."""
+    B, V2 = 6, 300
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(B, V2, generator=g) * 4
+    params = [SamplingParams(temperature=t) for t in (1.0, 0.7, 1.3, 0.2, 1.0, 2.0)]
+    outputs, eos = [[] for _ in range(B)], None
+    if label == "seeded and greedy rows":
+        params = [
+            SamplingParams(temperature=0.0),
+            SamplingParams(temperature=0.9, seed=5),
+            SamplingParams(temperature=1.0),
+            SamplingParams(temperature=0.0),
+            SamplingParams(temperature=1.2, seed=6),
+            SamplingParams(temperature=0.5),
+        ]
+    elif label == "penalties and min_tokens":
+        params = [
+            SamplingParams(temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.5),
+            SamplingParams(temperature=1.0, presence_penalty=0.7, min_tokens=3),
+        ] * 3
+        outputs = [[1, 2, 2, 9], [4]] * 3
+        eos = [{0}] * B
+    elif label == "greedy, bf16":
+        params = [SamplingParams(temperature=0.0)] * B
+        logits = logits.bfloat16()
+    params = [p.resolved() for p in params]
+    keep = torch.rand(B, V2, generator=g) < 0.3
+    keep[:, 0] = True
+    keep[3] = False
+    keep[3, 17] = True  # one allowed id
+    rows = [0, 1, 3, 4]  # rows 2 and 5 unconstrained
+
+    def masked(t):
+        t = t.clone()
+        t[rows] = t[rows].masked_fill(~keep[rows], float("-inf"))
+        return t
+
+    def meta():
+        gens = [make_generator(p.seed, "cpu") for p in params]
+        return meta_for(params, V2, outputs=outputs, generators=gens, eos=eos)
+
+    torch.manual_seed(3)
+    first = sampler(masked(logits), meta()).sampled_token_ids
+    torch.manual_seed(3)
+    m = meta()
+    assert m.tokenwise
+    after = sampler.pick(masked(sampler.scores(logits, m)))
+    assert after.tolist() == first.tolist()
+    for r in rows:
+        assert keep[r, after[r]]
+    assert after[3] == 17
+
+
+def test_scores_refuse_steps_that_compare_tokens():
+    for p in (dict(top_p=0.9), dict(top_k=5), dict(min_p=0.1), dict(logprobs=2)):
+        m = meta_for([SamplingParams(temperature=1.0, **p).resolved()])
+        assert not m.tokenwise
+        with pytest.raises(ValueError, match="tokenwise"):
+            sampler.scores(torch.zeros(1, V), m)
+
+
 def test_input_logits_are_not_modified():
     torch.manual_seed(0)
     logits = torch.randn(4, 50)

@@ -181,3 +181,28 @@ def test_a_failed_deferred_sample_rolls_the_matchers_back(llm, smollm2, smollm2_
         assert reqs[i].finish_reason == want[i].finish_reason
     assert reqs[1].finish_reason == "stop"
     jsonschema.validate(json.loads(eng.tokenizer.decode(reqs[1].output_token_ids)), PERSON)
+
+
+def test_constrained_steps_sample_before_the_mask_with_the_same_ids(
+    llm, smollm2, smollm2_path, monkeypatch
+):
+    """Where a step's sampling is token by token (temperature, penalties: no
+    top-k, top-p, min_p or log-probs), the runner queues the sampler at launch
+    and puts the mask on its scores once the fill is done (`Sampler.scores`,
+    then `Sampler.pick`). Oracle: the same requests with that path turned off,
+    the logits masked before the sampler: the same ids for every request (a
+    seeded one included), with and without async scheduling."""
+    from pagedllm.sampling import Sampler, SamplingMetadata
+
+    picks = []
+    real_pick = Sampler.pick
+    monkeypatch.setattr(Sampler, "pick", lambda self, s: picks.append(1) or real_pick(self, s))
+    fast, _ = pipelined(smollm2, smollm2_path)
+    got = [llm.chat([ASK] * 4, MIXED), fast.chat([ASK] * 4, MIXED)]
+    assert len(picks) >= 10, "the scores path did not run"
+    monkeypatch.setattr(SamplingMetadata, "tokenwise", property(lambda self: False))
+    picks.clear()
+    want = llm.chat([ASK] * 4, MIXED)
+    assert not picks
+    for outs in got:
+        assert [o.token_ids for o in outs] == [o.token_ids for o in want]

@@ -89,9 +89,12 @@ class LaunchedStep:
     prompt_logprobs: dict = field(default_factory=dict)
     host_ids: torch.Tensor | None = None  # pinned copy of `sampled`, filled asynchronously
     copied: torch.cuda.Event | None = None  # recorded after that copy
-    # Constrained decoding under async scheduling: (logits, constrained rows, sampling
-    # metadata, requests) of a continuation whose sampling waits until its matchers
-    # have consumed the tokens of the step before (`ModelRunner.sample_deferred`).
+    # Constrained decoding: (logits, constrained rows, sampling metadata, requests)
+    # whose masking and sampling wait for the masks; or (the sampler's scores, rows,
+    # None, requests) where sampling is token by token (`SamplingMetadata.tokenwise`:
+    # the noise is drawn at launch, only the mask and an argmax wait). Under async
+    # scheduling a continuation keeps it until its matchers have consumed the tokens
+    # of the step before (`ModelRunner.sample_deferred`).
     deferred: tuple | None = None
     # Each seeded request's generator state before this step drew from it
     # (`ModelRunner.restore_generators`: a step that is undone gives its draws back).
@@ -584,16 +587,31 @@ class ModelRunner:
         if any(r.sampling_params.seed is not None for r in done_reqs):
             generators = [self._generator(r) for r in done_reqs]
         meta = SamplingMetadata.from_requests(done_reqs, self.vocab_size, self.device, generators)
-        if constrained:
-            if plan.is_continuation:
-                # The matchers have not consumed the tokens `feed` samples (they are
-                # not on the host yet): the engine advances them once they are, while
-                # this forward pass runs, then calls sample_deferred.
-                step.deferred = (logits, constrained, meta, done_reqs)
-                return step
-            # The forward pass is queued: the masks are made while it runs.
-            logits = self._mask(logits, constrained)
-        self._sample(step, logits, meta, done_reqs)
+        if not constrained:
+            self._sample(step, logits, meta, done_reqs)
+            return step
+        if meta.tokenwise:
+            # The noise and every sampling op but the last are queued now, behind
+            # the forward pass; only the mask and one argmax wait for the fill.
+            self._save_generators(step, done_reqs)
+            try:
+                step.deferred = (self.sampler.scores(logits, meta), constrained, None, done_reqs)
+            except BaseException:
+                self.restore_generators(step)  # the engine never sees this step
+                raise
+        else:
+            step.deferred = (logits, constrained, meta, done_reqs)
+        if plan.is_continuation:
+            # The matchers have not consumed the tokens `feed` samples (they are
+            # not on the host yet): the engine advances them once they are, while
+            # this forward pass runs, then calls sample_deferred.
+            return step
+        # The forward pass is queued: the masks are made while it runs.
+        try:
+            self._sample_masked(step)
+        except BaseException:
+            self.restore_generators(step)  # the engine never sees this step
+            raise
         return step
 
     @torch.inference_mode()
@@ -601,40 +619,55 @@ class ModelRunner:
         """Mask and sample a continuation launched with constrained rows (its
         `deferred`), once their matchers have consumed the tokens of the step
         before: fill the bitmask on the host while the step's forward pass runs
-        on the device, then queue the masking, the sampling and the copy of the
-        ids to the host (`collect` waits for them)."""
+        on the device, then queue the masking, the sampling (or, where the
+        noise was drawn at launch, one argmax) and the copy of the ids to the
+        host (`collect` waits for them)."""
         if step.deferred is None:
             return
-        logits, constrained, meta, done_reqs = step.deferred
+        self._sample_masked(step)
+
+    def _sample_masked(self, step: LaunchedStep) -> None:
+        tensor, constrained, meta, done_reqs = step.deferred
         step.deferred = None
-        self._sample(step, self._mask(logits, constrained), meta, done_reqs)
+        masked = self._mask(tensor, constrained)
+        if meta is None:  # `tensor` holds the sampler's scores (launch): the noise is drawn
+            step.sampled = self.sampler.pick(masked)
+            step.logprobs_ks = [r.sampling_params.logprobs for r in done_reqs]
+            self._copy_ids(step)
+        else:
+            self._sample(step, masked, meta, done_reqs)
+
+    def _save_generators(self, step: LaunchedStep, done_reqs: list) -> None:
+        """Each seeded request's generator state before this step draws from it."""
+        for r in done_reqs:
+            gen = self._generators.get(r.request_id)
+            if gen is not None:  # host-side state (seed and offset): no device wait
+                step.generator_states[r.request_id] = gen.get_state()
 
     def _sample(
         self, step: LaunchedStep, logits: torch.Tensor, meta: SamplingMetadata, done_reqs: list
     ) -> None:
         """Queue the sampling of `step`'s rows and the copy of the ids to the host."""
-        for r in done_reqs:
-            gen = self._generators.get(r.request_id)
-            if gen is not None:  # host-side state (seed and offset): no device wait
-                step.generator_states[r.request_id] = gen.get_state()
+        self._save_generators(step, done_reqs)
         try:
             out = self.sampler(logits, meta)
             step.sampled = out.sampled_token_ids
             step.logprobs = out.logprobs
             step.logprobs_ks = [r.sampling_params.logprobs for r in done_reqs]
-            if self.pin:
-                # The one device-to-host copy, started now; collect() waits for it.
-                step.host_ids = torch.empty(
-                    len(step.done), dtype=step.sampled.dtype, pin_memory=True
-                )
-                step.host_ids.copy_(step.sampled, non_blocking=True)
-                step.copied = torch.cuda.Event()
-                step.copied.record()
+            self._copy_ids(step)
         except BaseException:
             # The engine never sees this step (launch raises before returning it):
             # give the draws back here.
             self.restore_generators(step)
             raise
+
+    def _copy_ids(self, step: LaunchedStep) -> None:
+        """Start the one device-to-host copy of the sampled ids; collect() waits for it."""
+        if self.pin:
+            step.host_ids = torch.empty(len(step.done), dtype=step.sampled.dtype, pin_memory=True)
+            step.host_ids.copy_(step.sampled, non_blocking=True)
+            step.copied = torch.cuda.Event()
+            step.copied.record()
 
     def _mask(self, logits: torch.Tensor, constrained: list[tuple[int, Any]]) -> torch.Tensor:
         """Constrained decoding (structured/): each constrained row's logits of the

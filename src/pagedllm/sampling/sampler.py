@@ -23,9 +23,19 @@ Order, per row, as vLLM v1's `Sampler`:
   6. top_k, then top_p over the renormalised survivors (the smallest set of the
      most likely tokens whose mass reaches p; the token that crosses p stays);
   7. sample by the exponential race: argmax_i(p_i / E_i), E_i ~ Exp(1) iid, which
-     picks i with probability p_i. A seeded row draws its E from its own
-     generator, so its tokens do not depend on the rest of the batch; the
-     unseeded rows share one draw.
+     picks i with probability p_i. It runs in log space, as argmax_i(l_i - log
+     E_i) over the processed logits l (the Gumbel-max trick: the same order, no
+     softmax, and no probability that underflows to 0). A seeded row draws its E
+     from its own generator, so its tokens do not depend on the rest of the
+     batch; the unseeded rows share one draw.
+
+Constrained decoding (the runner): when every part of a step's sampling is
+token by token (`SamplingMetadata.tokenwise`: no min_p, top-k, top-p or
+log-probs), a token's score l_i - log E_i does not depend on the other
+tokens. So `scores` can be queued before the constraints' bitmask is made,
+and the mask put on the scores afterwards (`pick`): the ids are those of
+masking the logits first, bit for bit, and the sampler's launches leave the
+path that waits for the mask.
 
 No host sync: metadata tensors are built from host lists (one copy per field,
 through pinned memory on CUDA) and nothing here calls `.item()` or `.tolist()`.
@@ -147,6 +157,18 @@ class SamplingMetadata:
     @property
     def no_penalties(self) -> bool:
         return self.output_token_counts is None
+
+    @property
+    def tokenwise(self) -> bool:
+        """Every part of this step's sampling reads each token's own logit only (no
+        min_p, top-k or top-p, which compare tokens; no log-probs, which normalise
+        over them): `Sampler.scores` may then be masked after it is computed."""
+        return (
+            self.min_p is None
+            and self.top_k is None
+            and self.top_p is None
+            and self.max_num_logprobs is None
+        )
 
     @classmethod
     def from_params(
@@ -337,16 +359,25 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def random_sample(probs: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
-    """Exponential race: argmax(p / E), E ~ Exp(1). Overwrites `probs`. (B, V) -> (B,)."""
-    q = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
+def race_scores(logits: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
+    """The exponential race in log space: logits - log E, E ~ Exp(1) iid, a new
+    (B, V) tensor whose row-wise argmax is token i with probability
+    softmax(logits)_i. That is argmax(p / E) without p: the same order, no
+    softmax, and a token whose probability would underflow float32 keeps its
+    chance. A -inf logit (masked, truncated) stays -inf."""
+    q = torch.empty_like(logits)
+    if len(generators) < logits.shape[0]:
         q.exponential_()  # one draw for all the unseeded rows
     for i, g in generators.items():
         q[i].exponential_(generator=g)  # V draws from the row's own stream, every step
-    # E == 0 would turn a masked token's 0 / 0 into NaN, which argmax picks.
+    # E == 0 would give -log E = +inf, and a -inf logit plus +inf is NaN, which argmax picks.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
-    return probs.div_(q).argmax(dim=-1)
+    return torch.sub(logits, q.log_(), out=q)
+
+
+def random_sample(logits: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
+    """One id per row, drawn from softmax(logits): (B, V) float32 -> (B,)."""
+    return race_scores(logits, generators).argmax(dim=-1)
 
 
 def compute_logprobs(logits: Tensor, num_logprobs: int, token_ids: Tensor) -> LogprobsTensors:
@@ -374,6 +405,16 @@ class Sampler:
         nothing to apply takes the argmax as they are (exact: widening to float32
         keeps every value and their order); any other step works in float32."""
         raw_logits = logits
+        # 3-7. Greedy and/or random, on the logits after 1 and 2.
+        sampled = self.sample(self._processed(logits, meta), meta)
+        # 0. Log-probs of the raw logits (vLLM's default), gathered at the sampled ids.
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            logprobs = compute_logprobs(raw_logits, meta.max_num_logprobs, sampled)
+        return SamplerOutput(sampled, logprobs)
+
+    def _processed(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
+        """Steps 1 and 2, out of place (float32 unless a greedy step has nothing to apply)."""
         if not (meta.all_greedy and meta.min_tokens_index is None and meta.no_penalties):
             logits = logits.float()  # (B, V); never modified in place below
         B, V = logits.shape
@@ -390,13 +431,32 @@ class Sampler:
                 meta.frequency_penalties,
                 meta.presence_penalties,
             )
-        # 3-7. Greedy and/or random.
-        sampled = self.sample(logits, meta)
-        # 0. Log-probs of the raw logits (vLLM's default), gathered at the sampled ids.
-        logprobs = None
-        if meta.max_num_logprobs is not None:
-            logprobs = compute_logprobs(raw_logits, meta.max_num_logprobs, sampled)
-        return SamplerOutput(sampled, logprobs)
+        return logits
+
+    def scores(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
+        """(B, V) scores whose row-wise argmax (`pick`) is the id `__call__` would
+        sample, for a step whose sampling is token by token (`meta.tokenwise`):
+        the processed logits for greedy rows, the race's l / T - log E for the
+        others. A token's score reads only its own logit and noise, so a mask
+        written over the scores (-inf where a constraint forbids) gives the ids
+        of masking the logits before sampling, bit for bit. The noise is drawn
+        here. May be `logits` itself (a greedy step with nothing to apply)."""
+        if not meta.tokenwise:
+            raise ValueError(
+                "scores needs a step without min_p, top-k, top-p or log-probs "
+                "(SamplingMetadata.tokenwise); sample such a step with the sampler itself"
+            )
+        logits = self._processed(logits, meta)
+        if meta.all_greedy:
+            return logits
+        race = race_scores(logits / meta.temperature[:, None], meta.generators)
+        if meta.all_random:
+            return race
+        return torch.where(meta.greedy_mask[:, None], logits, race, out=race)
+
+    def pick(self, scores: Tensor) -> Tensor:
+        """The row-wise argmax of `scores` (after any mask): (B, V) -> (B,) int64."""
+        return ops.implementation(scores.device, self.ops_mode).argmax(scores)
 
     def sample(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
         # Greedy rows: Triton's two-stage argmax on CUDA (torch's ran as one block).
@@ -411,7 +471,7 @@ class Sampler:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
         elif meta.top_k is not None:
             logits = apply_top_k_only(logits, meta.top_k, meta.max_top_k)
-        random = random_sample(logits.softmax(dim=-1), meta.generators)
+        random = random_sample(logits, meta.generators)
         if greedy is None:
             return random
         return torch.where(meta.greedy_mask, greedy, random)

@@ -33,6 +33,8 @@ each step, for the rows whose request has a matcher:
   after the forward pass is queued (GPU busy), on the CPU:
                             fill_bitmask(bitmask, [(i, matcher_i), ...])   # GIL released
   before sampling:          apply_bitmask(logits, bitmask, rows)     # rows: the logits' rows
+  (or, where sampling is token by token, after the sampler's noise: its scores, queued with
+  the forward pass, are masked and one argmax picks: Sampler.scores / Sampler.pick)
   after the ids reach the host:
                             oks = advance_matchers(matchers, tokens)  False -> finish with
                             matcher.error; matcher.is_finished -> finish ("stop"; only EOS
@@ -47,7 +49,11 @@ masking and sampling for later: `LaunchedStep.deferred`); read step N's ids;
 `advance_matchers`; `ModelRunner.sample_deferred` fills the masks while
 N+1's forward pass runs and queues the masking, the sampling and the copy
 of the ids; then step N's bookkeeping. So the fill hides behind the forward
-pass, and the bookkeeping behind the sampling. A step that fails after the
+pass, and the bookkeeping behind the sampling. Where the step's sampling is
+token by token (`SamplingMetadata.tokenwise`: no top-k, top-p, min_p or
+log-probs), `launch` also queues the sampler's scores (l / T - log E), and
+after the fill only the mask and an argmax are queued: a forbidden token's
+score is -inf either way, so the ids are those of masking first. A step that fails after the
 matchers advanced rolls them back (`Matcher.rollback`). Rows of the bitmask are indexed in the order
 `fill_bitmask` was given; `apply_bitmask` maps bitmask row i to logits row
 `rows[i]` (`rows=None`: row i to row i, a batch constrained throughout).
