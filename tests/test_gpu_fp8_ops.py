@@ -226,3 +226,47 @@ def test_fp8_mlp_fused_is_the_two_ops_bit_for_bit(rows):
     want = tf.fp8_linear(tf.fp8_linear_act_and_mul(x, gu, gu_s, "silu"), dn, dn_s)
     assert torch.equal(got, want)
     assert rel_err(got, ref.fp8_mlp(x, gu, gu_s, dn, dn_s, "silu")) < 2 * REFERENCE_TOL
+
+
+@pytest.mark.parametrize("hidden_size", [4096, 8192])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_quantize_is_the_two_kernels_bit_for_bit(hidden_size, with_residual):
+    """The norm that writes its output quantized (8B's and 70B's rows): the residual,
+    e4m3 bits and scales of the norm kernel then `quantize_activations`."""
+    from pagedllm.ops import triton_norm
+
+    hidden = torch.randn(300, hidden_size, device=DEV).to(BF16)
+    residual = torch.randn(300, hidden_size, device=DEV).to(BF16)
+    weight = (torch.rand(hidden_size, device=DEV) + 0.5).to(BF16)
+    res = residual.clone() if with_residual else None
+    q, s, stream = tf.rms_norm_quantize(hidden.clone(), res, weight, 1e-5)
+    if with_residual:
+        x, want_stream = triton_norm.fused_add_rms_norm(hidden.clone(), residual, weight, 1e-5)
+    else:
+        x, want_stream = triton_norm.rms_norm(hidden, weight, 1e-5), hidden
+    want_q, want_s = tf.quantize_activations(x, None)
+    assert torch.equal(stream, want_stream)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s, want_s)
+
+
+@pytest.mark.parametrize("rows", [17, 1024])
+def test_fp8_norm_ops_are_the_norm_then_the_op_bit_for_bit(rows):
+    """`fp8_norm_linear` (the 8B's q/k/v) and `fp8_norm_mlp` past the GEMVs: the
+    bits of the norm kernel then `fp8_linear` / `fp8_mlp`, the same residual."""
+    from pagedllm.ops import triton_norm
+
+    qkv, qkv_s = fp8_weight(6144, 4096)
+    gu, gu_s = fp8_weight(2 * 14336, 4096)
+    dn, dn_s = fp8_weight(4096, 14336)
+    w = (torch.rand(4096, device=DEV) + 0.5).to(BF16)
+    hidden = torch.randn(rows, 4096, device=DEV).to(BF16)
+    residual = torch.randn(rows, 4096, device=DEV).to(BF16)
+    x, want_stream = triton_norm.fused_add_rms_norm(hidden.clone(), residual.clone(), w, 1e-5)
+    out, stream = tf.fp8_norm_linear(hidden.clone(), residual.clone(), w, 1e-5, qkv, qkv_s)
+    assert torch.equal(out, tf.fp8_linear(x, qkv, qkv_s)) and torch.equal(stream, want_stream)
+    out, stream = tf.fp8_norm_mlp(
+        hidden.clone(), residual.clone(), w, 1e-5, gu, gu_s, dn, dn_s, "silu"
+    )
+    assert torch.equal(out, tf.fp8_mlp(x, gu, gu_s, dn, dn_s, "silu"))
+    assert torch.equal(stream, want_stream)

@@ -381,7 +381,16 @@ def build(name, fn, types, const, warps, stages):
                          capture_output=True, text=True, check=True).stderr
     spills = sum(int(w.split()[0]) for w in log.split(",") if "spill stores" in w)
     fp8_wgmma = bool(re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", k.asm["ptx"]))
-    return {"shared": k.metadata.shared, "spill_bytes": spills, "fp8_wgmma": fp8_wgmma}
+    return {"shared": k.metadata.shared, "spill_bytes": spills, "fp8_wgmma": fp8_wgmma,
+            "reduce_layout": reduce_layout(k.asm["ttgir"])}
+
+
+def reduce_layout(ttgir):
+    # The layout of the first reduction's operand, spelled out (None: no reduction).
+    m = re.search(r"\}\) : \(tensor<\d+xf32, (#\w+)>\)", ttgir)
+    if m is None:
+        return None
+    return re.search("^" + m.group(1) + r" = (.*)$", ttgir, flags=re.M).group(1)
 
 
 results = {}
@@ -405,6 +414,20 @@ for blocks, (bm, bn, warps, stages, group_m) in ((False, tf.GEMM_CONFIG),
                  BS0=128, BS1=128, HAS_BIAS=True)
     name = f"gemm blocks={blocks}"
     results[name] = build(name.replace(" ", "_"), tf._gemm_kernel, types, const, warps, stages)
+from pagedllm.ops.triton_norm import norm_warps
+from pagedllm.ops import triton_norm
+ALIGNED_INTS.add("E")  # a model's hidden size: a launch specializes it (a multiple of 16)
+for block in (4096, 8192, 16384):  # the 8B's and the 70B's rows, and the widest held
+    types = dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", xq_ptr="*fp8e4nv",
+                 xs_ptr="*fp32", out_ptr="*bf16", eps="fp32")
+    const = dict(HAS_RESIDUAL=True, BLOCK=block, FP8_MAX=448.0, PDL=True)
+    name = f"norm_quant block={block}"
+    results[name] = build(name.replace(" ", "_"), tf._rms_norm_quantize_kernel, types, const,
+                          norm_warps(block), 1)
+    del const["FP8_MAX"]
+    name = f"norm_only block={block}"
+    results[name] = build(name.replace(" ", "_"), triton_norm._rms_norm_kernel, types, const,
+                          norm_warps(block), 1)
 print(json.dumps(results))
 """
 
@@ -412,12 +435,14 @@ print(json.dumps(results))
 @pytest.mark.slow
 def test_fp8_kernels_compile_for_the_h200_on_fp8_tensor_cores(tmp_path):
     """The GEMV (default config: plain and act_and_mul, per channel and 128 x 128
-    blocks, with and without split K) and the GEMM (both configs), compiled for
-    sm_90a by Triton's compiler and ptxas (no GPU needed): within an H200's 227 KB
-    of shared memory, no register spilled, and multiplying on the fp8 tensor cores
-    (wgmma e4m3 x e4m3; a BLOCK_N below 64 would make Triton convert W to fp16 on
-    the CUDA cores instead). A separate process: this one's Triton may be
-    interpreted."""
+    blocks, with and without split K), the GEMM (both configs) and the norm that
+    quantizes its output (rows of 4,096, 8,192 and 16,384, beside the plain norm
+    kernel: its sum of squares reduced in the same layout), compiled for sm_90a by
+    Triton's compiler and ptxas (no GPU needed): within an H200's 227 KB of shared
+    memory, no register spilled, and the GEMV and GEMM multiplying on the fp8
+    tensor cores (wgmma e4m3 x e4m3; a BLOCK_N below 64 would make Triton convert
+    W to fp16 on the CUDA cores instead). A separate process: this one's Triton
+    may be interpreted."""
     import json
     import subprocess
     import sys
@@ -436,11 +461,17 @@ def test_fp8_kernels_compile_for_the_h200_on_fp8_tensor_cores(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(results) == 10
+    assert len(results) == 16
     for name, got in results.items():
         assert got["shared"] <= 227 * 1024, (name, got)
         assert got["spill_bytes"] == 0, (name, got)
-        assert got["fp8_wgmma"], (name, got)
+        assert got["fp8_wgmma"] or name.startswith("norm"), (name, got)
+    # The norm that quantizes reduces its sum of squares laid out as the norm kernel
+    # does (so in the same order: the same bits), not as its e4m3 store would have it.
+    for block in (4096, 8192, 16384):
+        fused, plain = results[f"norm_quant block={block}"], results[f"norm_only block={block}"]
+        assert fused["reduce_layout"] is not None
+        assert fused["reduce_layout"] == plain["reduce_layout"], (block, fused, plain)
 
 
 @needs_interpreter
@@ -496,3 +527,126 @@ def test_fp8_mlp_fused_is_the_two_ops_bit_for_bit(monkeypatch):
     dn24, dn24_s = ref.quantize_fp8(torch.randn(64, 24, generator=gen))
     tf.fp8_mlp(x, gu24, gu24_s, dn24, dn24_s, "silu")
     assert calls == [1]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_quantize_is_the_two_kernels_bit_for_bit(with_residual):
+    """The norm (after the residual add, written over the residual) and the per-row
+    e4m3 quantization of its output in one kernel: the same residual, e4m3 bits and
+    scales as the norm kernel then `quantize_activations` (E = 320: a row padded to
+    512; an all-zero row: scale 0)."""
+    from pagedllm.ops import triton_norm
+
+    gen = torch.Generator().manual_seed(31)
+    hidden = (torch.randn(4, 320, generator=gen) * 2).to(torch.bfloat16)
+    residual = (torch.randn(4, 320, generator=gen) * 2).to(torch.bfloat16)
+    weight = (torch.rand(320, generator=gen) + 0.5).to(torch.bfloat16)
+    hidden[3] = 0
+    residual[3] = 0
+    res = residual.clone() if with_residual else None
+    q, scale, stream = tf.rms_norm_quantize(hidden.clone(), res, weight, 1e-5)
+    if with_residual:
+        want_x, want_stream = triton_norm.fused_add_rms_norm(
+            hidden.clone(), residual.clone(), weight, 1e-5
+        )
+        assert stream is res  # in place, as fused_add_rms_norm
+    else:
+        want_x, want_stream = triton_norm.rms_norm(hidden, weight, 1e-5), hidden
+    want_q, want_s = tf.quantize_activations(want_x, None)
+    assert q.shape == (4, 320) and scale.shape == (4, 1)
+    assert torch.equal(stream, want_stream)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale, want_s)
+    assert scale[3].item() == 0 and torch.all(q[3].float() == 0)
+    with pytest.raises(ValueError, match="weight"):
+        tf.rms_norm_quantize(hidden, None, weight.float(), 1e-5)
+
+
+@needs_interpreter
+def test_fp8_norm_ops_are_the_norm_then_the_op_bit_for_bit(monkeypatch):
+    """`fp8_norm_linear` and `fp8_norm_mlp` past the GEMVs with per-channel scales:
+    the norm writes x quantized (`rms_norm_quantize`) for `_scaled_mm`; the same
+    bits (and residual stream) as the norm kernel then `fp8_linear` / `fp8_mlp`,
+    and near the reference ops. Few rows, block scales, or no residual take the
+    paths they name; each equals its two steps."""
+    from pagedllm.ops import triton_norm
+
+    gen = torch.Generator().manual_seed(37)
+    qkv, qkv_s = ref.quantize_fp8(torch.randn(96, 64, generator=gen))
+    gu, gu_s = ref.quantize_fp8(torch.randn(2 * 96, 64, generator=gen))
+    dn, dn_s = ref.quantize_fp8(torch.randn(64, 96, generator=gen))
+    bias = torch.randn(96, generator=gen).to(torch.bfloat16)
+    norm_w = (torch.rand(64, generator=gen) + 0.5).to(torch.bfloat16)
+    hidden = torch.randn(20, 64, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(20, 64, generator=gen).to(torch.bfloat16)
+    monkeypatch.setattr(tf, "_scaled_mm_ok", lambda *a: True)
+    calls = []
+    real = tf.rms_norm_quantize
+    monkeypatch.setattr(tf, "rms_norm_quantize", lambda *a: calls.append(1) or real(*a))
+
+    def two_steps(rows, res):
+        h = hidden[:rows].clone()
+        if res is None:
+            return triton_norm.rms_norm(h, norm_w, 1e-5), h
+        return triton_norm.fused_add_rms_norm(h, res[:rows].clone(), norm_w, 1e-5)
+
+    for rows, res in ((20, residual), (20, None), (3, residual)):
+        keep = None if res is None else res[:rows].clone()
+        try:
+            out, stream = tf.fp8_norm_linear(
+                hidden[:rows].clone(), keep, norm_w, 1e-5, qkv, qkv_s, bias=bias
+            )
+        except (RuntimeError, NotImplementedError) as e:
+            pytest.skip(f"torch._scaled_mm does not run on this CPU build: {str(e)[:100]}")
+        x, want_stream = two_steps(rows, res)
+        assert torch.equal(out, tf.fp8_linear(x, qkv, qkv_s, bias=bias)), rows
+        assert torch.equal(stream, want_stream)
+        keep = None if res is None else res[:rows].clone()
+        out, stream = tf.fp8_norm_mlp(
+            hidden[:rows].clone(), keep, norm_w, 1e-5, gu, gu_s, dn, dn_s, "silu"
+        )
+        assert torch.equal(out, tf.fp8_mlp(x, gu, gu_s, dn, dn_s, "silu")), rows
+        assert torch.equal(stream, want_stream)
+        ref_out, _ = ref.fp8_norm_mlp(
+            hidden[:rows], None if res is None else res[:rows].clone(), norm_w, 1e-5,
+            gu, gu_s, dn, dn_s, "silu",
+        )  # fmt: skip
+        assert rel_err(out, ref_out) < 2 * ACT_QUANT_TOL
+    assert len(calls) == 4  # 20 rows with and without a residual, both ops; 3 rows: none
+    # Block scales: the norm, then the op.
+    bq, bq_s = ref.quantize_fp8(torch.randn(96, 64, generator=gen), (32, 32))
+    out, stream = tf.fp8_norm_linear(
+        hidden.clone(), residual.clone(), norm_w, 1e-5, bq, bq_s, block_size=(32, 32)
+    )
+    x, want_stream = two_steps(20, residual)
+    assert len(calls) == 4 and torch.equal(out, tf.fp8_linear(x, bq, bq_s, block_size=(32, 32)))
+    with pytest.raises(ValueError, match="activation 'relu'"):
+        tf.fp8_norm_mlp(hidden, residual, norm_w, 1e-5, gu, gu_s, dn, dn_s, "relu")
+
+
+@needs_interpreter
+def test_a_bf16_fp8_model_takes_the_fused_norms_with_the_same_logits(monkeypatch):
+    """A tiny bf16 model with FP8 projections, through the Triton ops, 20 tokens
+    (past the GEMVs; `_scaled_mm` as on the GPU, which torch runs on this CPU): both
+    norms of every layer write their output quantized (`rms_norm_quantize`), and
+    the logits are those of the norm kernels then the projections, bit for bit."""
+    from pagedllm.config import ModelConfig
+    from pagedllm.model import dummy_model
+
+    config = ModelConfig(300, 64, 96, 2, 4, 2, 16, 1e-5, 1e4, None, False, 256, 1, (2,))
+    model = dummy_model(config, "cpu", "bfloat16", std=0.2, quantization="fp8", fp8_weights=True)
+    model.ops_mode = "triton"
+    monkeypatch.setattr(tf, "_scaled_mm_ok", lambda *a: True)
+    calls = []
+    real = tf.rms_norm_quantize
+    monkeypatch.setattr(tf, "rms_norm_quantize", lambda *a: calls.append(1) or real(*a))
+    prompt = list(range(3, 23))
+    try:
+        fused = model.forward_logits(prompt)
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"torch._scaled_mm does not run on this CPU build: {str(e)[:100]}")
+    assert len(calls) == 2 * config.num_hidden_layers
+    monkeypatch.setattr(tf, "_norm_quant_ok", lambda *a: False)
+    assert torch.equal(model.forward_logits(prompt), fused)
+    assert len(calls) == 2 * config.num_hidden_layers

@@ -199,17 +199,23 @@ class LlamaModel:
         last, gathered = len(self.layers) - 1, False
         for i, layer in enumerate(self.layers):
             # 1. Pre-attention norm; the residual add of the previous layer is fused in.
-            if residual is None:
-                residual = hidden
-                x = impl.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            # 2. One matmul for Q, K and V (+ bias: Qwen2), then views into it.
+            qkv_proj = layer.qkv_proj
+            if tracer is None and isinstance(qkv_proj, Fp8Linear):
+                # One op: its kernel may write the norm's output quantized for FP8.
+                qkv, residual = impl.fp8_norm_linear(
+                    hidden, residual, layer.input_norm, eps, qkv_proj.qweight, qkv_proj.scale,
+                    bias=layer.qkv_bias, block_size=qkv_proj.block_size,
+                )  # fmt: skip
             else:
-                x, residual = impl.fused_add_rms_norm(
-                    hidden, residual, layer.input_norm, cfg.rms_norm_eps
-                )
-            if tracer is not None:
-                tracer(i, "attn_norm", x)
-            # 2. One matmul for Q, K and V, then views into it.
-            qkv = layer.qkv_proj(x, impl, bias=layer.qkv_bias)  # (T, (H + 2Hkv) D); Qwen2: + bias
+                if residual is None:
+                    residual = hidden
+                    x = impl.rms_norm(hidden, layer.input_norm, eps)
+                else:
+                    x, residual = impl.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
+                if tracer is not None:
+                    tracer(i, "attn_norm", x)
+                qkv = qkv_proj(x, impl, bias=layer.qkv_bias)  # (T, (H + 2Hkv) D)
             q = qkv[:, :q_size].view(num_tokens, -1, d)  # (T, H, D)
             k = qkv[:, q_size : q_size + kv_size].view(num_tokens, -1, d)  # (T, Hkv, D)
             v = qkv[:, q_size + kv_size :].view(num_tokens, -1, d)  # (T, Hkv, D)
@@ -280,23 +286,25 @@ class LlamaModel:
             if tracer is not None:
                 tracer(i, "o_proj", hidden)
             # 4. MLP: norm (fused with the residual add), gate/up in one matmul, SwiGLU, down.
-            x, residual = impl.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
             gate_up_proj, down_proj = layer.gate_up_proj, layer.down_proj
             if (
                 tracer is None
                 and isinstance(gate_up_proj, Fp8Linear)
                 and isinstance(down_proj, Fp8Linear)
-            ):  # one op: its kernels may hand the down projection x quantized
-                hidden = impl.fp8_mlp(
-                    x, gate_up_proj.qweight, gate_up_proj.scale, down_proj.qweight,
+            ):  # one op: its kernels may hand each projection its input quantized
+                hidden, residual = impl.fp8_norm_mlp(
+                    hidden, residual, layer.post_norm, eps,
+                    gate_up_proj.qweight, gate_up_proj.scale, down_proj.qweight,
                     down_proj.scale, cfg.hidden_act,
                     gate_up_block_size=gate_up_proj.block_size,
                     down_block_size=down_proj.block_size,
                 )  # fmt: skip
                 act = None
             elif tracer is None:  # gate/up then SwiGLU (GeGLU: Gemma): one GEMV on CUDA for one row
+                x, residual = impl.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
                 act = layer.gate_up_proj.then_act_and_mul(x, impl, cfg.hidden_act)  # (T, I)
             else:  # the same ops, with the (T, 2I) gate_up in hand for the trace
+                x, residual = impl.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
                 gate_up = layer.gate_up_proj(x, impl)  # (T, 2I)
                 gated = impl.silu_and_mul if cfg.hidden_act == "silu" else impl.gelu_tanh_and_mul
                 act = gated(gate_up)  # (T, I)

@@ -39,6 +39,8 @@ OP_NAMES = (
     "fp8_linear",
     "fp8_linear_act_and_mul",
     "fp8_mlp",
+    "fp8_norm_linear",
+    "fp8_norm_mlp",
     "apply_rope",
     "store_kvcache",
     "rope_and_store",

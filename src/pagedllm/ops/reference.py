@@ -250,6 +250,59 @@ def fp8_mlp(
     return fp8_linear(h, down, down_scale, block_size=down_block_size)
 
 
+def _norm(
+    hidden: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the norm's output, the residual stream): `fused_add_rms_norm`, or without a
+    residual (a model's first layer) `rms_norm` of hidden, which is the stream."""
+    if residual is None:
+        return rms_norm(hidden, weight, eps), hidden
+    return fused_add_rms_norm(hidden, residual, weight, eps)
+
+
+def fp8_norm_linear(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    block_size: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A norm and the FP8 projection that reads it (a layer's q/k/v): `rms_norm` of
+    hidden + residual (of hidden alone when residual is None), then `fp8_linear`.
+    Returns (the projection, the residual stream). One op so that a kernel may
+    quantize the norm's output as it writes it (ops/triton_fp8.py)."""
+    x, residual = _norm(hidden, residual, norm_weight, eps)
+    return fp8_linear(x, weight, weight_scale, bias=bias, block_size=block_size), residual
+
+
+def fp8_norm_mlp(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_up: torch.Tensor,
+    gate_up_scale: torch.Tensor,
+    down: torch.Tensor,
+    down_scale: torch.Tensor,
+    act: str,
+    *,
+    gate_up_block_size: tuple[int, int] | None = None,
+    down_block_size: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_norm_linear`'s norm, then `fp8_mlp`: (the MLP's output, the residual
+    stream)."""
+    x, residual = _norm(hidden, residual, norm_weight, eps)
+    out = fp8_mlp(
+        x, gate_up, gate_up_scale, down, down_scale, act,
+        gate_up_block_size=gate_up_block_size, down_block_size=down_block_size,
+    )  # fmt: skip
+    return out, residual
+
+
 # --------------------------------------------------------------------------
 # RoPE
 # --------------------------------------------------------------------------

@@ -21,7 +21,13 @@ from pagedllm.ops.triton_attention import (
     prefill_attention,
     rope_store_decode_attention,
 )
-from pagedllm.ops.triton_fp8 import fp8_linear, fp8_linear_act_and_mul, fp8_mlp
+from pagedllm.ops.triton_fp8 import (
+    fp8_linear,
+    fp8_linear_act_and_mul,
+    fp8_mlp,
+    fp8_norm_linear,
+    fp8_norm_mlp,
+)
 from pagedllm.ops.triton_gemv import linear, linear_gelu_tanh_and_mul, linear_silu_and_mul
 from pagedllm.ops.triton_kv import embedding, store_kvcache
 from pagedllm.ops.triton_norm import fused_add_rms_norm, rms_norm
@@ -39,6 +45,8 @@ __all__ = [
     "fp8_linear",
     "fp8_linear_act_and_mul",
     "fp8_mlp",
+    "fp8_norm_linear",
+    "fp8_norm_mlp",
     "apply_rope",
     "store_kvcache",
     "rope_and_store",

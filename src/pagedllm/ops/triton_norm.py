@@ -67,20 +67,26 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
+def norm_warps(block: int) -> int:
+    """Warps of a program that holds a row of `block` values (a power of two). The
+    sum of squares is reduced in an order set by the layout, so a kernel that must
+    give these kernels' bits (triton_fp8.rms_norm_quantize) takes the same."""
+    # 16 bytes per thread per load at E=2048 bf16 with 8 warps. Rows of one head
+    # (D = 64-256: q/k norms) get one or two warps: 8 bf16 values per thread at
+    # D=256 instead of 2 (four warps mostly idle, one program per head row).
+    if block <= 256:
+        return 1
+    if block <= 512:
+        return 2
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
 def _launch(x2, res2, weight, out2, eps, has_residual, heads=1, stride_xh=0):
     """One program per row of out2 (T * heads, E); x2 is (T, E), or with heads > 1
     (T, heads, E) read through its token and head strides."""
     num_rows, hidden = out2.shape
     block = triton.next_power_of_2(hidden)
-    # 16 bytes per thread per load at E=2048 bf16 with 8 warps. Rows of one head
-    # (D = 64-256: q/k norms) get one or two warps: 8 bf16 values per thread at
-    # D=256 instead of 2 (four warps mostly idle, one program per head row).
-    if block <= 256:
-        num_warps = 1
-    elif block <= 512:
-        num_warps = 2
-    else:
-        num_warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
+    num_warps = norm_warps(block)
     pdl = use_pdl(x2)
     _rms_norm_kernel[(num_rows,)](
         x2,
