@@ -283,6 +283,20 @@ def test_scores_masked_after_give_the_ids_of_masking_first(label):
     assert after[3] == 17
 
 
+def test_tied_logits_split_evenly_at_a_very_low_temperature():
+    """Two equal top logits at T = 1.1e-5 (just above greedy): each wins half the
+    draws. Unshifted, 30 / T is 2.7e6, where float32 steps by 0.25 and swallows most
+    of -log E's difference, so the lower id won about 53 % (found by a review)."""
+    n = 20_000
+    torch.manual_seed(2)
+    logits = torch.tensor([[30.0, 30.0, 29.0, 0.0]] * n)
+    params = [SamplingParams(temperature=1.1e-5).resolved()] * n
+    ids = sampler(logits, meta_for(params, vocab_size=4)).sampled_token_ids
+    share = (ids == 1).float().mean().item()
+    assert set(ids.tolist()) <= {0, 1}
+    assert abs(share - 0.5) < 0.0035 * 4, share  # four standard deviations
+
+
 def test_scores_refuse_steps_that_compare_tokens():
     for p in (dict(top_p=0.9), dict(top_k=5), dict(min_p=0.1), dict(logprobs=2)):
         m = meta_for([SamplingParams(temperature=1.0, **p).resolved()])

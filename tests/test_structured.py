@@ -470,6 +470,41 @@ def test_fill_bitmask_tokenizes_forced_text_on_the_calling_thread(tok, cache, mo
     assert set(callers) == {threading.get_ident()}
 
 
+def test_a_ctrl_c_in_the_tokenizer_callback_waits_for_the_masks(tok, cache, monkeypatch):
+    """Our tokenizer runs on the stepping thread while rows are filled; a Ctrl-C
+    raised inside it would be a panic in llguidance (the matcher in its error
+    state, the interrupt lost). It comes after the fill instead, every row whole,
+    the copied ones too (found by a review)."""
+    import os
+    import signal
+
+    constraint = StructuredOutput(json=SCHEMAS[0][1], whitespace="compact")
+    matchers = [cache.matcher(constraint) for _ in range(4)]
+    for k, m in enumerate(matchers):  # two states, each with forced text next
+        assert all(m.advance(t) for t in tok.encode('{"name":"Al"' if k % 2 else '{"name":"Bo"'))
+    real = matcher_module._Tokenize.__call__
+    fired = []
+
+    def interrupting(self, text):
+        if not fired:
+            fired.append(threading.current_thread() is threading.main_thread())
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, text)
+
+    monkeypatch.setattr(matcher_module._Tokenize, "__call__", interrupting)
+    bitmask = allocate_bitmask(4, cache.adapter.vocab_size, pin=False)
+    bitmask.zero_()
+    with pytest.raises(KeyboardInterrupt):
+        fill_bitmask(bitmask, list(enumerate(matchers)))
+    assert fired == [True]
+    assert all(m.error is None for m in matchers)
+    for i, m in enumerate(matchers):
+        one = np.zeros(cache.adapter.words, np.int32)
+        m.allowed(one)
+        assert len(allowed_ids(one)) == 1  # the forced text's first token
+        assert np.array_equal(bitmask[i].numpy(), one), i
+
+
 def test_masks_are_the_same_through_the_remembering_callback(tok, cache):
     """Masks of forced text (which call the tokenizer) equal those of a new
     adapter whose memo is empty, step after step: remembering changes nothing."""

@@ -590,6 +590,7 @@ class ModelRunner:
         if not constrained:
             self._sample(step, logits, meta, done_reqs)
             return step
+        continuation = plan.is_continuation  # read first: nothing may raise between draws and try
         if meta.tokenwise:
             # The noise and every sampling op but the last are queued now, behind
             # the forward pass; only the mask and one argmax wait for the fill.
@@ -601,7 +602,7 @@ class ModelRunner:
                 raise
         else:
             step.deferred = (logits, constrained, meta, done_reqs)
-        if plan.is_continuation:
+        if continuation:
             # The matchers have not consumed the tokens `feed` samples (they are
             # not on the host yet): the engine advances them once they are, while
             # this forward pass runs, then calls sample_deferred.

@@ -23,19 +23,24 @@ Order, per row, as vLLM v1's `Sampler`:
   6. top_k, then top_p over the renormalised survivors (the smallest set of the
      most likely tokens whose mass reaches p; the token that crosses p stays);
   7. sample by the exponential race: argmax_i(p_i / E_i), E_i ~ Exp(1) iid, which
-     picks i with probability p_i. It runs in log space, as argmax_i(l_i - log
-     E_i) over the processed logits l (the Gumbel-max trick: the same order, no
-     softmax, and no probability that underflows to 0). A seeded row draws its E
-     from its own generator, so its tokens do not depend on the rest of the
-     batch; the unseeded rows share one draw.
+     picks i with probability p_i. It runs in log space, as argmax_i((l_i - m) -
+     log E_i) over the processed logits l, m the row's largest (the Gumbel-max
+     trick: no softmax, no probability that underflows to 0, and the best
+     tokens' scores near 0, where float32 resolves the noise at any
+     temperature). A seeded row draws its E from its own generator, so its
+     tokens do not depend on the rest of the batch; the unseeded rows share one
+     draw.
 
 Constrained decoding (the runner): when every part of a step's sampling is
 token by token (`SamplingMetadata.tokenwise`: no min_p, top-k, top-p or
-log-probs), a token's score l_i - log E_i does not depend on the other
-tokens. So `scores` can be queued before the constraints' bitmask is made,
-and the mask put on the scores afterwards (`pick`): the ids are those of
-masking the logits first, bit for bit, and the sampler's launches leave the
-path that waits for the mask.
+log-probs), a token's score reads its own logit, its own noise and the row's
+m only. So `scores` can be queued before the constraints' bitmask is made,
+and the mask put on the scores afterwards (`pick`); the sampler's launches
+leave the path that waits for the mask. A row without a constraint gets the
+ids of the sampler itself, bit for bit. A constrained row's m is then the
+largest logit of all tokens rather than of the allowed ones: the same
+distribution (m is a constant of the row), the same ids unless two scores
+fall within a float32 rounding of each other.
 
 No host sync: metadata tensors are built from host lists (one copy per field,
 through pinned memory on CUDA) and nothing here calls `.item()` or `.tolist()`.
@@ -360,11 +365,14 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
 
 
 def race_scores(logits: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
-    """The exponential race in log space: logits - log E, E ~ Exp(1) iid, a new
-    (B, V) tensor whose row-wise argmax is token i with probability
-    softmax(logits)_i. That is argmax(p / E) without p: the same order, no
+    """The exponential race in log space: (logits - m) - log E, E ~ Exp(1) iid, m
+    the row's largest logit, a new (B, V) tensor whose row-wise argmax is token i
+    with probability softmax(logits)_i. That is argmax(p / E) without p: no
     softmax, and a token whose probability would underflow float32 keeps its
-    chance. A -inf logit (masked, truncated) stays -inf."""
+    chance. Subtracting m keeps the best tokens' scores near 0, where float32
+    resolves the noise: at T = 1e-5 a logit of 30 is 3e6, whose float32 spacing
+    (0.25) would swallow -log E and hand ties to the lower id. A -inf logit
+    (masked, truncated) stays -inf; so does a row of them."""
     q = torch.empty_like(logits)
     if len(generators) < logits.shape[0]:
         q.exponential_()  # one draw for all the unseeded rows
@@ -372,7 +380,9 @@ def race_scores(logits: Tensor, generators: dict[int, torch.Generator]) -> Tenso
         q[i].exponential_(generator=g)  # V draws from the row's own stream, every step
     # E == 0 would give -log E = +inf, and a -inf logit plus +inf is NaN, which argmax picks.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
-    return torch.sub(logits, q.log_(), out=q)
+    m = logits.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # -inf - (-inf) would be NaN
+    return torch.sub(logits - m, q.log_(), out=q)
 
 
 def random_sample(logits: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
@@ -436,11 +446,14 @@ class Sampler:
     def scores(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
         """(B, V) scores whose row-wise argmax (`pick`) is the id `__call__` would
         sample, for a step whose sampling is token by token (`meta.tokenwise`):
-        the processed logits for greedy rows, the race's l / T - log E for the
-        others. A token's score reads only its own logit and noise, so a mask
-        written over the scores (-inf where a constraint forbids) gives the ids
-        of masking the logits before sampling, bit for bit. The noise is drawn
-        here. May be `logits` itself (a greedy step with nothing to apply)."""
+        the processed logits for greedy rows, the race's (l - m) / T - log E for
+        the others. A mask written over the scores (-inf where a constraint
+        forbids) samples from the allowed tokens as masking the logits first
+        would: bit for bit for greedy rows and rows without a mask; for masked
+        sampled rows m is the largest logit of every token, not of the allowed
+        ones, so the same distribution and the same ids but at float32 rounding
+        ties (the module's docstring). The noise is drawn here. May be `logits`
+        itself (a greedy step with nothing to apply)."""
         if not meta.tokenwise:
             raise ValueError(
                 "scores needs a step without min_p, top-k, top-p or log-probs "

@@ -36,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from pagedllm.structured.constraint import StructuredOutput, one_line
+from pagedllm.utils import deferred_interrupts
 
 # Compiled constraints kept per tokenizer. An entry is the grammar's parser and
 # lexer (kilobytes to a few MB for large schemas); 256 distinct schemas cover a
@@ -360,7 +361,8 @@ class Matcher:
         if self._error is not None:
             _eos_only(row, self.adapter)
             return
-        self._m.unsafe_compute_mask_ptr(ptr, nbytes)
+        with deferred_interrupts():  # our tokenizer may run here: see fill_bitmask
+            self._m.unsafe_compute_mask_ptr(ptr, nbytes)
 
     def advance(self, token_id: int) -> bool:
         """Consume the sampled token. False (and the error state) if the constraint rejects it."""
@@ -456,7 +458,6 @@ def fill_bitmask(bitmask: Any, rows: Sequence[tuple[int, Matcher]]) -> None:
     threads (`fill_threads`) with the GIL released; rows not
     named are left as they are. Matchers in the same state (`Matcher._same_state`)
     are computed once and the row copied to the others."""
-    global _executor
     if not rows:
         return
     ptr, nbytes = _row_pointer(bitmask)
@@ -488,26 +489,37 @@ def fill_bitmask(bitmask: Any, rows: Sequence[tuple[int, Matcher]]) -> None:
                 copies.append((i, seen[0]))
                 continue
         live.append(((id(m._origin), m._group), i, m._m))
+    # Our tokenizer runs on this thread below. A Ctrl-C raised inside it would be a
+    # panic in llguidance (the row's matcher broken, the interrupt lost), so it
+    # waits until every row is made.
+    with deferred_interrupts():
+        if live:
+            _compute_rows(live, ptr, row_bytes, batch)
+        for i, j in copies:
+            ctypes.memmove(ptr + i * row_bytes, ptr + j * row_bytes, row_bytes)
+
+
+def _compute_rows(live: list, ptr: int, row_bytes: int, batch: int) -> None:
+    """llguidance's masks of `live` rows ((its template, row, matcher)) into the buffer."""
+    global _executor
     if len(live) == 1:
         _, i, m = live[0]
         m.unsafe_compute_mask_ptr(ptr + i * row_bytes, row_bytes)
-    elif live:
-        # Forced text first, on this thread. Where a row's next bytes are forced
-        # (`","age":`), llguidance turns them into tokens with our tokenizer, a
-        # call into Python; from its own threads each such call makes a Python
-        # thread state and waits for the GIL (measured: see _prime_forced_tokens).
-        _prime_forced_tokens(live)
-        with _executor_lock:
-            if _executor is None:
-                import llguidance
+        return
+    # Forced text first, on this thread. Where a row's next bytes are forced
+    # (`","age":`), llguidance turns them into tokens with our tokenizer, a call
+    # into Python; from its own threads each such call makes a Python thread state
+    # and waits for the GIL (measured: see _prime_forced_tokens).
+    _prime_forced_tokens(live)
+    with _executor_lock:
+        if _executor is None:
+            import llguidance
 
-                _executor = llguidance.LLExecutor(fill_threads())
-        # The executor's threads take runs of the list: rows of one template (one
-        # lexer lock) together keep each thread on its own lock.
-        live.sort(key=lambda x: x[0])
-        _executor.unsafe_compute_mask_ptr([(m, i) for _, i, m in live], ptr, row_bytes, batch)
-    for i, j in copies:
-        ctypes.memmove(ptr + i * row_bytes, ptr + j * row_bytes, row_bytes)
+            _executor = llguidance.LLExecutor(fill_threads())
+    # The executor's threads take runs of the list: rows of one template (one lexer
+    # lock) together keep each thread on its own lock.
+    live.sort(key=lambda x: x[0])
+    _executor.unsafe_compute_mask_ptr([(m, i) for _, i, m in live], ptr, row_bytes, batch)
 
 
 def _prime_forced_tokens(live: Sequence[tuple[Any, int, Any]]) -> None:
