@@ -239,6 +239,13 @@ def main(argv=None) -> int:
         "--no-breakdown", action="store_true", help="time whole steps only (no part timers)"
     )
     ap.add_argument("--json", default=None, help="also write the JSON record here")
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="PATH",
+        help="after the runs, one more `typical` run under torch.profiler: its ops by "
+        "host time (self CPU, per op and in all) written to PATH",
+    )
     args = ap.parse_args(argv)
     from pagedllm import LLM
     from pagedllm.model_source import llama3_tokenizer_json
@@ -286,6 +293,8 @@ def main(argv=None) -> int:
         rows[name] = run(llm, args.batch, c, args.max_tokens, 2, timer)
     if timer is not None:
         timer.restore()
+    if args.profile:
+        profile_typical(llm, args.batch, args.max_tokens, args.profile)
     # A schema never seen: add it while nothing else runs; time to its first token.
     fresh = StructuredOutput(
         json={**TYPICAL, "title": f"fresh-{time.time()}"}, whitespace="compact"
@@ -323,6 +332,27 @@ def main(argv=None) -> int:
             json.dump(record, f, indent=1)
     print(json.dumps(record))
     return 0
+
+
+def profile_typical(llm, batch: int, max_tokens: int, path: str) -> None:
+    """One `typical` run under torch.profiler (host ops, and CUDA's when there is a
+    GPU): the table by self CPU time goes to `path`, its first lines to stdout. The
+    profiler slows every op; read the shares, not the times."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedllm.structured import StructuredOutput
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    c = StructuredOutput(json=TYPICAL, whitespace="compact")
+    with profile(activities=activities) as prof:
+        run(llm, batch, c, max_tokens, 3)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+    with open(path, "w") as f:
+        f.write(table + "\n")
+    print("\n".join(table.splitlines()[:25]))
 
 
 def print_breakdown(rows: dict) -> None:

@@ -19,7 +19,9 @@
 # constrained-decoding cost, scripts/peer_structured.py; "fill": bench_fill.py
 # on 1 thread and on the default count; "accuracy": scripts/accuracy.py
 # on the GGUF at ACC_MODEL, bf16 against FP8), WORKLOADS_8B (default
-# "ttft latency throughput"), KERNEL_FLAGS / KERNEL70_FLAGS (more bench_fp8.py flags), KERNEL_ROWS.
+# "ttft latency throughput"), FLAGS_8B (more `pagedllm bench` flags for those, e.g.
+# "--kv-cache-dtype fp8"), STRUCTURED_FLAGS (more bench_structured.py flags, e.g.
+# "--profile $OUT/profile.txt"), KERNEL_FLAGS / KERNEL70_FLAGS (more bench_fp8.py flags), KERNEL_ROWS.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
@@ -86,7 +88,8 @@ for phase in ${PHASES:-tests kernels 8b 70b structured}; do
         q=(--quantization fp8)
         [ "$phase" = 8b-bf16 ] && q=()
         for w in ${WORKLOADS_8B:-ttft latency throughput}; do
-            bench "8b_${phase}_$w" 150 "$w" --preset llama-3.1-8b "${q[@]}"
+            # shellcheck disable=SC2086  # FLAGS_8B: more bench flags, word-split
+            bench "8b_${phase}_$w" 150 "$w" --preset llama-3.1-8b "${q[@]}" ${FLAGS_8B:-}
         done
         ;;
     70b)
@@ -96,8 +99,9 @@ for phase in ${PHASES:-tests kernels 8b 70b structured}; do
         bench 70b_fp8_throughput 400 throughput --preset llama-3.1-70b --quantization fp8
         ;;
     structured)
+        # shellcheck disable=SC2086  # STRUCTURED_FLAGS, e.g. "--profile $OUT/profile.txt"
         timeout 240 "$PY" scripts/bench_structured.py --json "$OUT/structured.json" \
-            >"$OUT/structured.txt" 2>&1
+            ${STRUCTURED_FLAGS:-} >"$OUT/structured.txt" 2>&1
         echo "bench_structured rc=$? ($((SECONDS - t0)) s)"
         grep -v '^{' "$OUT/structured.txt" | tail -n 12
         ;;
