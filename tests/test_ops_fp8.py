@@ -362,13 +362,14 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 # What a launch specializes: pointers and strides divisible by 16, and K, K_SPLIT
 # (multiples of 16 at every model shape; K_SPLIT always, a multiple of BLOCK_K).
 ALIGNED_INTS = {"K", "K_SPLIT"}
+UNALIGNED = set()
 
 
 def build(name, fn, types, const, warps, stages):
     sig, attrs = {}, {}
     for i, arg in enumerate(fn.arg_names):
         sig[arg] = "constexpr" if arg in const else types.get(arg, "i32")
-        if arg not in const and (
+        if arg not in const and arg not in UNALIGNED and (
             sig[arg].startswith("*") or arg.startswith("stride") or arg in ALIGNED_INTS
         ):
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -416,18 +417,23 @@ for blocks, (bm, bn, warps, stages, group_m) in ((False, tf.GEMM_CONFIG),
     results[name] = build(name.replace(" ", "_"), tf._gemm_kernel, types, const, warps, stages)
 from pagedllm.ops.triton_norm import norm_warps
 from pagedllm.ops import triton_norm
-ALIGNED_INTS.add("E")  # a model's hidden size: a launch specializes it (a multiple of 16)
+# As a launch specializes them: E (a model's hidden size, a multiple of 16) and the
+# strides but `stride_q` (not specialized); HEADS is 1 for a (T, E) norm.
+ALIGNED_INTS.add("E")
+UNALIGNED = {"stride_q"}
 for block in (4096, 8192, 16384):  # the 8B's and the 70B's rows, and the widest held
-    types = dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", xq_ptr="*fp8e4nv",
-                 xs_ptr="*fp32", out_ptr="*bf16", eps="fp32")
-    const = dict(HAS_RESIDUAL=True, BLOCK=block, FP8_MAX=448.0, PDL=True)
-    name = f"norm_quant block={block}"
-    results[name] = build(name.replace(" ", "_"), tf._rms_norm_quantize_kernel, types, const,
-                          norm_warps(block), 1)
-    del const["FP8_MAX"]
-    name = f"norm_only block={block}"
-    results[name] = build(name.replace(" ", "_"), triton_norm._rms_norm_kernel, types, const,
-                          norm_warps(block), 1)
+    for residual in (True, False):
+        types = dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", xq_ptr="*fp8e4nv",
+                     xs_ptr="*fp32", out_ptr="*bf16", eps="fp32")
+        const = dict(HAS_RESIDUAL=residual, BLOCK=block, FP8_MAX=448.0, PDL=True)
+        name = f"norm_quant block={block} residual={residual}"
+        results[name] = build(name.replace(" ", "_"), tf._rms_norm_quantize_kernel, types,
+                              const, norm_warps(block), 1)
+        del const["FP8_MAX"]
+        const["HEADS"] = 1
+        name = f"norm_only block={block} residual={residual}"
+        results[name] = build(name.replace(" ", "_"), triton_norm._rms_norm_kernel, types,
+                              const, norm_warps(block), 1)
 print(json.dumps(results))
 """
 
@@ -461,7 +467,7 @@ def test_fp8_kernels_compile_for_the_h200_on_fp8_tensor_cores(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(results) == 16
+    assert len(results) == 22
     for name, got in results.items():
         assert got["shared"] <= 227 * 1024, (name, got)
         assert got["spill_bytes"] == 0, (name, got)
@@ -469,9 +475,11 @@ def test_fp8_kernels_compile_for_the_h200_on_fp8_tensor_cores(tmp_path):
     # The norm that quantizes reduces its sum of squares laid out as the norm kernel
     # does (so in the same order: the same bits), not as its e4m3 store would have it.
     for block in (4096, 8192, 16384):
-        fused, plain = results[f"norm_quant block={block}"], results[f"norm_only block={block}"]
-        assert fused["reduce_layout"] is not None
-        assert fused["reduce_layout"] == plain["reduce_layout"], (block, fused, plain)
+        for residual in (True, False):
+            fused = results[f"norm_quant block={block} residual={residual}"]
+            plain = results[f"norm_only block={block} residual={residual}"]
+            assert fused["reduce_layout"] is not None
+            assert fused["reduce_layout"] == plain["reduce_layout"], (block, fused, plain)
 
 
 @needs_interpreter
@@ -535,13 +543,16 @@ def test_rms_norm_quantize_is_the_two_kernels_bit_for_bit(with_residual):
     """The norm (after the residual add, written over the residual) and the per-row
     e4m3 quantization of its output in one kernel: the same residual, e4m3 bits and
     scales as the norm kernel then `quantize_activations` (E = 320: a row padded to
-    512; an all-zero row: scale 0)."""
+    512; a row whose mean square is near eps, where eps matters; an all-zero row:
+    scale 0)."""
     from pagedllm.ops import triton_norm
 
     gen = torch.Generator().manual_seed(31)
     hidden = (torch.randn(4, 320, generator=gen) * 2).to(torch.bfloat16)
     residual = (torch.randn(4, 320, generator=gen) * 2).to(torch.bfloat16)
     weight = (torch.rand(320, generator=gen) + 0.5).to(torch.bfloat16)
+    hidden[2] *= 1e-3  # mean square ~ 1e-5 with the residual's: eps's size
+    residual[2] *= 1e-3
     hidden[3] = 0
     residual[3] = 0
     res = residual.clone() if with_residual else None
@@ -559,8 +570,16 @@ def test_rms_norm_quantize_is_the_two_kernels_bit_for_bit(with_residual):
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(scale, want_s)
     assert scale[3].item() == 0 and torch.all(q[3].float() == 0)
+    # eps is read: another eps gives that row other values
+    q2, _, _ = tf.rms_norm_quantize(hidden.clone(), None, weight, 1e-3)
+    q1, _, _ = tf.rms_norm_quantize(hidden.clone(), None, weight, 1e-5)
+    assert not torch.equal(q2[2].view(torch.uint8), q1[2].view(torch.uint8))
     with pytest.raises(ValueError, match="weight"):
         tf.rms_norm_quantize(hidden, None, weight.float(), 1e-5)
+    with pytest.raises(ValueError, match="same shape and dtype"):
+        tf.rms_norm_quantize(hidden, residual.float(), weight, 1e-5)
+    with pytest.raises(ValueError, match="expected \\(T, E\\)"):
+        tf.rms_norm_quantize(hidden[None], None, weight, 1e-5)
 
 
 @needs_interpreter

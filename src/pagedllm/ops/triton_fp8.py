@@ -1001,11 +1001,12 @@ def fp8_mlp(
 # 0.3 ms of a 1,024-token prefill on the H200 (measured: not yet).
 
 
-# `stride_q` is not specialized (hinted a multiple of 8 instead): Triton would see
-# xq's rows aligned to 16 bytes and store 16 e4m3 values a thread, and lay the whole
-# row out that way, reducing the sum of squares in another order than the norm kernel
-# (8 bf16 values a thread) and so giving other bits at times. 8-byte stores keep its
-# layout (checked on the sm_90a build: tests/test_ops_fp8.py).
+# xq's rows are hinted 8-byte aligned (`tl.multiple_of(., 8)`; `stride_q`, E, is not
+# specialized either): seeing them 16-byte aligned, Triton would store 16 e4m3 values
+# a thread and lay the whole row out that way, reducing the sum of squares in another
+# order than the norm kernel (8 bf16 values a thread), so at times to other bits.
+# With 8-byte stores the row keeps the norm kernel's layout (the sm_90a build,
+# tests/test_ops_fp8.py; the bits on a GPU: tests/test_gpu_fp8_ops.py).
 @triton.jit(do_not_specialize=["stride_q"])
 def _rms_norm_quantize_kernel(
     x_ptr,  # (T, E)
@@ -1061,19 +1062,26 @@ def rms_norm_quantize(
     """RMSNorm of x (after adding `residual`, when given, written over it in place)
     and its output quantized per row: (xq (T, E) e4m3, xs (T, 1) float32, the
     residual stream: x + residual, or x). The same bits as `fused_add_rms_norm` (or
-    `rms_norm`) then `quantize_activations(., None)`, in one kernel. x (T, E) with
-    contiguous rows, weight (E,) in x's dtype, E <= NORM_QUANT_MAX_COLS."""
+    `rms_norm`) then `quantize_activations(., None)`, in one kernel. x (T, E), weight
+    (E,) in x's dtype, E <= NORM_QUANT_MAX_COLS, residual (T, E) in x's dtype with
+    contiguous rows."""
+    if x.dim() != 2:
+        raise ValueError(f"rms_norm_quantize: x of shape {tuple(x.shape)}, expected (T, E)")
     t, e = x.shape
     if weight.dtype != x.dtype or weight.shape != (e,) or e > NORM_QUANT_MAX_COLS:
         raise ValueError(
             f"rms_norm_quantize: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
             f"{weight.dtype}: expected a weight (E,) in x's dtype, E <= {NORM_QUANT_MAX_COLS}"
         )
+    weight = weight.contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+    if residual is not None and (
+        residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1
+    ):
         raise ValueError(
-            f"rms_norm_quantize: residual {tuple(residual.shape)} against x {tuple(x.shape)}"
+            f"rms_norm_quantize: residual {tuple(residual.shape)} {residual.dtype} against "
+            f"x {tuple(x.shape)} {x.dtype}: expected the same shape and dtype"
         )
     xq = torch.empty((t, e), dtype=FP8, device=x.device)
     xs = torch.empty((t, 1), dtype=torch.float32, device=x.device)
@@ -1088,7 +1096,7 @@ def rms_norm_quantize(
         BLOCK=block,
         FP8_MAX=FP8_MAX,
         PDL=pdl,
-        num_warps=norm_warps(block),  # the norm kernel's: its sum of squares, bit for bit
+        num_warps=norm_warps(block),  # the norm kernel's: its layout, its sum's order
         launch_pdl=pdl,
     )  # fmt: skip
     return xq, xs, res
@@ -1101,7 +1109,14 @@ def _norm_quant_ok(hidden, residual, norm_weight) -> bool:
         and norm_weight.dtype == hidden.dtype
         and norm_weight.shape == (hidden.shape[1],)
         and hidden.shape[1] <= NORM_QUANT_MAX_COLS
-        and (residual is None or (residual.shape == hidden.shape and residual.stride(-1) == 1))
+        and (
+            residual is None
+            or (
+                residual.shape == hidden.shape
+                and residual.dtype == hidden.dtype
+                and residual.stride(-1) == 1
+            )
+        )
     )
 
 
@@ -1175,8 +1190,6 @@ def fp8_norm_mlp(
             )
         gu_scale = reference.check_fp8_weight(gate_up, gate_up_scale, None).contiguous()
         dn_scale = reference.check_fp8_weight(down, down_scale, None).contiguous()
-        if gate_up.stride(-1) != 1:
-            gate_up = gate_up.contiguous()
         xq, xs, residual = rms_norm_quantize(hidden, residual, norm_weight, eps)
         y = _scaled_mm_of(xq, xs, gate_up, gu_scale, hidden.dtype)
         hq, hs = act_and_mul_quantize(y, act)
