@@ -215,7 +215,7 @@ class LlamaModel:
                     x, residual = impl.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
                 if tracer is not None:
                     tracer(i, "attn_norm", x)
-                qkv = qkv_proj(x, impl, bias=layer.qkv_bias)  # (T, (H + 2Hkv) D)
+                qkv = qkv_proj(x, impl, bias=layer.qkv_bias)  # (T, (H + 2Hkv) D); Qwen2: + bias
             q = qkv[:, :q_size].view(num_tokens, -1, d)  # (T, H, D)
             k = qkv[:, q_size : q_size + kv_size].view(num_tokens, -1, d)  # (T, Hkv, D)
             v = qkv[:, q_size + kv_size :].view(num_tokens, -1, d)  # (T, Hkv, D)
