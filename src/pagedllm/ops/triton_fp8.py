@@ -80,7 +80,7 @@ from pagedllm.ops import (
     triton_interpret_fix,  # noqa: F401  (CPU interpreter: float8 casts, dots)
 )
 from pagedllm.ops.triton_act import activation, gelu_tanh_and_mul, silu_and_mul
-from pagedllm.ops.triton_norm import fused_add_rms_norm, norm_warps, rms_norm
+from pagedllm.ops.triton_norm import fused_add_rms_norm, norm_warps, rms_norm, rms_norm_row
 from pagedllm.ops.triton_pdl import pdl_start, pdl_wait, use_pdl
 
 FP8 = reference.FP8_DTYPE
@@ -1024,24 +1024,19 @@ def _rms_norm_quantize_kernel(
     FP8_MAX: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program a row: `_rms_norm_kernel`'s arithmetic (triton_norm.py), then
-    `_quantize_kernel`'s per row, on the row held in registers."""
+    """One program a row: `_rms_norm_kernel`'s arithmetic (triton_norm.py's
+    `rms_norm_row`), then `_quantize_kernel`'s per row, on the row held in registers."""
     pdl_start(PDL)
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < E
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like torch's add
-        tl.store(res_ptr + row * stride_res + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / E
-    normed = (xf * tl.rsqrt(var + eps)).to(x.dtype)  # HF rounds before the weight
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    y = rms_norm_row(
+        x_ptr + row * stride_x, res_ptr + row * stride_res, w_ptr, offs, mask, E, eps,
+        HAS_RESIDUAL,
+    )  # fmt: skip
     # The norm's output as `rms_norm` writes it (x's dtype), then quantized.
-    y = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype).to(tl.float32)
+    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
     amax = tl.max(tl.abs(y), axis=0)
     big = tl.full((), FP8_MAX, tl.float32)
     inv = tl.where(amax > 0.0, tl.div_rn(big, tl.maximum(amax, 1e-30)), 0.0)

@@ -26,6 +26,25 @@ from pagedllm.ops.triton_pdl import pdl_start, pdl_wait, use_pdl
 
 
 @triton.jit
+def rms_norm_row(x_row, res_row, w_ptr, offs, mask, E, eps, HAS_RESIDUAL: tl.constexpr):
+    """One row's norm, as the kernels here compute it: x (+ the residual, rounded
+    to x's dtype and stored over it, when HAS_RESIDUAL), x * rsqrt(mean(x^2) + eps)
+    rounded to x's dtype, times the weight, in float32 (the caller rounds). Shared
+    with triton_fp8's norm that quantizes its output, so that both do the same
+    arithmetic."""
+    x = tl.load(x_row + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_row + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like torch's add
+        tl.store(res_row + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / E
+    normed = (xf * tl.rsqrt(var + eps)).to(x.dtype)  # HF rounds before the weight
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    return w.to(tl.float32) * normed.to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,  # (T, E), or (T, HEADS, E) with a token stride and a head stride
     res_ptr,  # (T, E), read and overwritten with x + residual when HAS_RESIDUAL
@@ -48,16 +67,7 @@ def _rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < E
     x_row = x_ptr + (row // HEADS) * stride_x + (row % HEADS) * stride_xh
-    x = tl.load(x_row + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like torch's add
-        tl.store(res_ptr + row * stride_res + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / E
-    normed = (xf * tl.rsqrt(var + eps)).to(x.dtype)  # HF rounds before the weight
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    y = w.to(tl.float32) * normed.to(tl.float32)
+    y = rms_norm_row(x_row, res_ptr + row * stride_res, w_ptr, offs, mask, E, eps, HAS_RESIDUAL)
     tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
