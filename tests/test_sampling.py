@@ -488,6 +488,9 @@ def test_metadata_fields_are_none_when_unused():
     assert meta.max_num_logprobs is None and meta.min_tokens_index is None
     meta = meta_for([SamplingParams(temperature=0.5, top_k=50)])  # top_k > V is clamped
     assert meta.max_top_k == V
+    assert meta.low_temperature is None  # no row below 0.1: the race subtracts nothing
+    meta = meta_for([SamplingParams(temperature=t) for t in (0.05, 0.0, 0.5)])
+    assert meta.low_temperature.flatten().tolist() == [True, False, False]
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

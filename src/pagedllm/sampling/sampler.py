@@ -24,23 +24,23 @@ Order, per row, as vLLM v1's `Sampler`:
      most likely tokens whose mass reaches p; the token that crosses p stays);
   7. sample by the exponential race: argmax_i(p_i / E_i), E_i ~ Exp(1) iid, which
      picks i with probability p_i. It runs in log space, as argmax_i((l_i - m) -
-     log E_i) over the processed logits l, m the row's largest (the Gumbel-max
-     trick: no softmax, no probability that underflows to 0, and the best
-     tokens' scores near 0, where float32 resolves the noise at any
-     temperature). A seeded row draws its E from its own generator, so its
-     tokens do not depend on the rest of the batch; the unseeded rows share one
-     draw.
+     log E_i) over the processed logits l (the Gumbel-max trick: no softmax, no
+     probability that underflows to 0). m is the row's largest logit at
+     temperatures below LOW_TEMPERATURE (0.1), else 0: it keeps the best tokens'
+     scores near 0, where float32 still resolves the noise when l / T is in the
+     millions. A seeded row draws its E from its own generator, so its tokens do
+     not depend on the rest of the batch; the unseeded rows share one draw.
 
 Constrained decoding (the runner): when every part of a step's sampling is
 token by token (`SamplingMetadata.tokenwise`: no min_p, top-k, top-p or
 log-probs), a token's score reads its own logit, its own noise and the row's
 m only. So `scores` can be queued before the constraints' bitmask is made,
 and the mask put on the scores afterwards (`pick`); the sampler's launches
-leave the path that waits for the mask. A row without a constraint gets the
-ids of the sampler itself, bit for bit. A constrained row's m is then the
-largest logit of all tokens rather than of the allowed ones: the same
-distribution (m is a constant of the row), the same ids unless two scores
-fall within a float32 rounding of each other.
+leave the path that waits for the mask. The ids are the sampler's own, bit
+for bit, for every row but one constrained and sampled below 0.1: its m is
+then the largest logit of all tokens rather than of the allowed ones, so the
+same distribution (m is a constant of the row) and the same ids unless two
+scores fall within a float32 rounding of each other.
 
 No host sync: metadata tensors are built from host lists (one copy per field,
 through pinned memory on CUDA) and nothing here calls `.item()` or `.tolist()`.
@@ -65,6 +65,9 @@ if TYPE_CHECKING:
     from pagedllm.request import Request
 
 NEG_INF = float("-inf")
+# Below this temperature the race subtracts each row's largest logit first
+# (`race_scores`): l / T would be large enough for float32's spacing to blur -log E.
+LOW_TEMPERATURE = 0.1
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
@@ -158,6 +161,9 @@ class SamplingMetadata:
     max_num_logprobs: int | None  # None: no request asked
     # Batch row -> generator of a seeded, sampled (not greedy) request.
     generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # (B, 1) bool: sampled rows whose temperature is below LOW_TEMPERATURE (the race
+    # shifts their logits by the row's largest); None when there is none.
+    low_temperature: Tensor | None = None
 
     @property
     def no_penalties(self) -> bool:
@@ -266,6 +272,7 @@ class SamplingMetadata:
                 gens[i] = g
 
         asked = [p.logprobs for p in params if p.logprobs is not None]
+        low = [s and p.temperature < LOW_TEMPERATURE for p, s in zip(params, sampled)]
         return cls(
             num_reqs=B,
             all_greedy=all_greedy,
@@ -284,6 +291,7 @@ class SamplingMetadata:
             min_tokens_index=min_tokens_index,
             max_num_logprobs=max(asked) if asked else None,
             generators=gens,
+            low_temperature=_to_device(low, torch.bool, device)[:, None] if any(low) else None,
         )
 
     @classmethod
@@ -364,15 +372,19 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def race_scores(logits: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
-    """The exponential race in log space: (logits - m) - log E, E ~ Exp(1) iid, m
-    the row's largest logit, a new (B, V) tensor whose row-wise argmax is token i
-    with probability softmax(logits)_i. That is argmax(p / E) without p: no
-    softmax, and a token whose probability would underflow float32 keeps its
-    chance. Subtracting m keeps the best tokens' scores near 0, where float32
-    resolves the noise: at T = 1e-5 a logit of 30 is 3e6, whose float32 spacing
-    (0.25) would swallow -log E and hand ties to the lower id. A -inf logit
-    (masked, truncated) stays -inf; so does a row of them."""
+def race_scores(
+    logits: Tensor, generators: dict[int, torch.Generator], shift: Tensor | None = None
+) -> Tensor:
+    """The exponential race in log space: (logits - m) - log E, E ~ Exp(1) iid, a
+    new (B, V) tensor whose row-wise argmax is token i with probability
+    softmax(logits)_i. That is argmax(p / E) without p: no softmax, and a token
+    whose probability would underflow float32 keeps its chance. m is the row's
+    largest logit where `shift` (B, 1) bool says so (the rows sampled at a low
+    temperature), else 0. Subtracting it keeps the best tokens' scores near 0,
+    where float32 resolves the noise: at T = 1e-5 a logit of 30 is 3e6, whose
+    float32 spacing (0.25) would swallow -log E and hand ties to the lower id; at
+    T >= LOW_TEMPERATURE the spacing is below 1e-4 and the pass is saved. A -inf
+    logit (masked, truncated) stays -inf; so does a row of them."""
     q = torch.empty_like(logits)
     if len(generators) < logits.shape[0]:
         _exponential_(q)  # one draw for all the unseeded rows
@@ -380,9 +392,12 @@ def race_scores(logits: Tensor, generators: dict[int, torch.Generator]) -> Tenso
         _exponential_(q[i], g)  # V draws from the row's own stream, every step
     # E == 0 would give -log E = +inf, and a -inf logit plus +inf is NaN, which argmax picks.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
-    m = logits.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # -inf - (-inf) would be NaN
-    return torch.sub(logits - m, q.log_(), out=q)
+    if shift is not None:
+        m = logits.amax(dim=-1, keepdim=True)
+        # Rows not shifted, and rows all -inf (-inf - -inf would be NaN), subtract 0.
+        m = torch.where(shift & torch.isfinite(m), m, torch.zeros_like(m))
+        logits = logits - m
+    return torch.sub(logits, q.log_(), out=q)
 
 
 def _exponential_(q: Tensor, generator: torch.Generator | None = None) -> None:
@@ -398,9 +413,11 @@ def _exponential_(q: Tensor, generator: torch.Generator | None = None) -> None:
         q.exponential_(generator=generator)
 
 
-def random_sample(logits: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
+def random_sample(
+    logits: Tensor, generators: dict[int, torch.Generator], shift: Tensor | None = None
+) -> Tensor:
     """One id per row, drawn from softmax(logits): (B, V) float32 -> (B,)."""
-    return race_scores(logits, generators).argmax(dim=-1)
+    return race_scores(logits, generators, shift).argmax(dim=-1)
 
 
 def compute_logprobs(logits: Tensor, num_logprobs: int, token_ids: Tensor) -> LogprobsTensors:
@@ -462,10 +479,10 @@ class Sampler:
         the processed logits for greedy rows, the race's (l - m) / T - log E for
         the others. A mask written over the scores (-inf where a constraint
         forbids) samples from the allowed tokens as masking the logits first
-        would: bit for bit for greedy rows and rows without a mask; for masked
-        sampled rows m is the largest logit of every token, not of the allowed
-        ones, so the same distribution and the same ids but at float32 rounding
-        ties (the module's docstring). The noise is drawn here. May be `logits`
+        would: bit for bit, but for masked rows sampled below LOW_TEMPERATURE,
+        whose m is the largest logit of every token, not of the allowed ones (the
+        same distribution; the same ids but at float32 rounding ties: the
+        module's docstring). The noise is drawn here. May be `logits`
         itself (a greedy step with nothing to apply)."""
         if not meta.tokenwise:
             raise ValueError(
@@ -475,7 +492,9 @@ class Sampler:
         logits = self._processed(logits, meta)
         if meta.all_greedy:
             return logits
-        race = race_scores(logits / meta.temperature[:, None], meta.generators)
+        race = race_scores(
+            logits / meta.temperature[:, None], meta.generators, meta.low_temperature
+        )
         if meta.all_random:
             return race
         return torch.where(meta.greedy_mask[:, None], logits, race, out=race)
@@ -497,7 +516,7 @@ class Sampler:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
         elif meta.top_k is not None:
             logits = apply_top_k_only(logits, meta.top_k, meta.max_top_k)
-        random = random_sample(logits, meta.generators)
+        random = random_sample(logits, meta.generators, meta.low_temperature)
         if greedy is None:
             return random
         return torch.where(meta.greedy_mask, greedy, random)

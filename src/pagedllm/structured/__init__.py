@@ -51,11 +51,10 @@ N+1's forward pass runs and queues the masking, the sampling and the copy
 of the ids; then step N's bookkeeping. So the fill hides behind the forward
 pass, and the bookkeeping behind the sampling. Where the step's sampling is
 token by token (`SamplingMetadata.tokenwise`: no top-k, top-p, min_p or
-log-probs), `launch` also queues the sampler's scores ((l - m) / T - log E,
-m the row's largest logit), and after the fill only the mask and an argmax
-are queued: a forbidden token's score is -inf either way, so the allowed
-tokens are sampled as if masked first (the same distribution; see
-`sampling/sampler.py`). A step that fails after the matchers advanced rolls
+log-probs), `launch` also queues the sampler's scores (l / T - log E), and
+after the fill only the mask and an argmax are queued: a forbidden token's
+score is -inf either way, so the ids are those of masking first (below a
+temperature of 0.1, the same distribution: see `sampling/sampler.py`). A step that fails after the matchers advanced rolls
 them back (`Matcher.rollback`). Rows of the bitmask are indexed in the order
 `fill_bitmask` was given; `apply_bitmask` maps bitmask row i to logits row
 `rows[i]` (`rows=None`: row i to row i, a batch constrained throughout).
