@@ -1,6 +1,8 @@
 """The sampler alone: one call of `Sampler` on random logits, by batch size, at
-temperature 1 (the exponential race) and greedy, on the CPU (and CUDA when
-there is one). Prints a table of the median time per call and a JSON line.
+temperature 1 (the exponential race), with top-p 0.9, and greedy, on the CPU
+(and CUDA when there is one). The logits are a model's shape: Gaussian, with 40
+ids per row raised by 8 to 14 (so that a nucleus holds tens of ids, not
+thousands). Prints a table of the median time per call and a JSON line.
 
     PYTHONPATH=src python3 scripts/bench_sampler.py [--vocab 49152] [--threads 2]
 """
@@ -48,9 +50,17 @@ def main(argv=None) -> int:
     rows = []
     for device in devices:
         for b in (int(x) for x in args.batches.split(",")):
-            logits = torch.randn(b, args.vocab, device=device)
-            for name, temperature in (("temperature 1", 1.0), ("greedy", 0.0)):
-                params = [SamplingParams(temperature=temperature).resolved()] * b
+            g = torch.Generator().manual_seed(b)
+            logits = torch.randn(b, args.vocab, generator=g)
+            head = torch.randint(0, args.vocab, (b, 40), generator=g)
+            logits.scatter_add_(1, head, torch.rand(b, 40, generator=g) * 6 + 8)
+            logits = logits.to(device)
+            for name, kw in (
+                ("temperature 1", dict(temperature=1.0)),
+                ("top-p 0.9", dict(temperature=1.0, top_p=0.9)),
+                ("greedy", dict(temperature=0.0)),
+            ):
+                params = [SamplingParams(**kw).resolved()] * b
                 meta = SamplingMetadata.from_params(params, [[]] * b, [[0]] * b, args.vocab, device)
                 call = lambda lg=logits, m=meta: sampler(lg, m)  # noqa: E731
                 ms = 1e3 * time_call(call, device, args.repeats)

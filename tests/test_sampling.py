@@ -153,6 +153,51 @@ def test_sampled_ids_use_top_k_only_path_and_sort_path_alike():
     assert torch.equal(a, b)
 
 
+def test_top_p_among_the_largest_logits_equals_the_sort(monkeypatch):
+    """Top-p (with or without top-k) first looks for each row's nucleus among its
+    TOP_P_CANDIDATES largest logits (a topk, no sort of the row): where that
+    decides every row, the kept logits are those of the sort, bit for bit; where a
+    row's nucleus reaches past them (a flat row), it falls back to the sort."""
+    from pagedllm.sampling import sampler as sampler_mod
+
+    g = torch.Generator().manual_seed(5)
+    B, V = 12, 2000
+    logits = torch.randn(B, V, generator=g)
+    head = torch.randint(0, V, (B, 40), generator=g)
+    logits.scatter_add_(1, head, torch.rand(B, 40, generator=g) * 6 + 4)  # a peaked head
+    top_p = torch.tensor([0.5, 0.9, 0.99] * 4)
+    for ks in ([0] * B, [0, 5, 40, 0, 300, 7] * 2):
+        top_k = torch.tensor(ks) if any(ks) else None
+        fast = sampler_mod._top_p_candidates(logits, top_k, top_p, max(ks))
+        assert fast is not None, ks
+        with monkeypatch.context() as m:
+            m.setattr(sampler_mod, "TOP_P_CANDIDATES", V)  # candidates cover the row: sort
+            sort = sampler_mod.apply_top_k_top_p(logits, top_k, top_p, max(ks))
+        assert torch.equal(fast, sort), ks
+        assert torch.equal(sampler_mod.apply_top_k_top_p(logits, top_k, top_p, max(ks)), sort)
+    flat = torch.randn(B, V, generator=g) * 0.1  # top_p of a flat row: thousands of tokens
+    assert sampler_mod._top_p_candidates(flat, None, top_p, 0) is None
+
+
+def test_top_p_among_the_largest_logits_samples_the_exact_distribution():
+    """The distribution through the candidates' path (600 ids, more than
+    TOP_P_CANDIDATES): a chi-square against the exact truncation."""
+    big = [6.0 - 0.45 * i for i in range(20)] + [-4.0] * 580
+    probs = reference_probs(big, temperature=1.0, top_p=0.8)
+    p_sorted = sorted(probs, reverse=True)
+    assert 0 < sum(q > 0 for q in probs) < 20  # the nucleus is inside the head
+    full = sorted(reference_probs(big), reverse=True)
+    cum = [sum(full[: i + 1]) for i in range(20)]
+    assert min(abs(c - 0.8) for c in cum) > 0.01  # not on a boundary
+    torch.manual_seed(4)
+    n = N_DRAWS
+    logits = torch.tensor([big] * n)
+    meta = meta_for([SamplingParams(temperature=1.0, top_p=0.8).resolved()] * n, vocab_size=600)
+    ids = sampler(logits, meta).sampled_token_ids
+    counts = torch.bincount(ids, minlength=600).tolist()
+    assert chi_square_pvalue(counts, probs) > ALPHA, (counts[:20], p_sorted[:20])
+
+
 # ------------------------------------------------------------ greedy
 def test_greedy_variants_equal_argmax():
     torch.manual_seed(0)

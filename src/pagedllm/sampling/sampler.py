@@ -356,8 +356,22 @@ def apply_top_k_only(logits: Tensor, top_k: Tensor, max_top_k: int) -> Tensor:
     return logits.masked_fill(logits < kth, NEG_INF)  # ties with the k-th stay
 
 
-def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
-    """Top-k then top-p on one ascending sort of each row (vLLM's reference path)."""
+# apply_top_k_top_p first looks for each row's nucleus among its this many largest
+# logits (torch.topk), before it sorts whole rows.
+TOP_P_CANDIDATES = 256
+
+
+def apply_top_k_top_p(
+    logits: Tensor, top_k: Tensor | None, top_p: Tensor | None, max_top_k: int = 0
+) -> Tensor:
+    """Top-k then top-p. First among each row's largest logits (`_top_p_candidates`:
+    a topk of 256 or `max_top_k`, no sort of the row), which decides every row whose
+    survivors it holds; else one ascending sort of each row (vLLM's reference path).
+    `max_top_k`: the largest top_k of the batch, on the host (0: none)."""
+    if top_p is not None:
+        out = _top_p_candidates(logits, top_k, top_p, max_top_k)
+        if out is not None:
+            return out
     V = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1)  # (B, V) ascending
     if top_k is not None:
@@ -370,6 +384,52 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
         drop[:, -1] = False  # the most likely token always stays
         sorted_logits = sorted_logits.masked_fill(drop, NEG_INF)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _top_p_candidates(
+    logits: Tensor, top_k: Tensor | None, top_p: Tensor, max_top_k: int
+) -> Tensor | None:
+    """`apply_top_k_top_p` decided among each row's K largest logits, or None where
+    that cannot decide some row (then the caller sorts). K is TOP_P_CANDIDATES, or
+    max_top_k if larger; None when K covers the row (the sort is as cheap), and on
+    a GPU (whether every row is decided is read on the host: a sync there).
+
+    A token outside the K is dropped by top-k when the K-th largest logit is already
+    below the row's k-th (so are its ties), or by top-p when the K candidates hold at
+    least top_p of the survivors' mass (every outsider has that much above it). On
+    the CPU a topk of 256 over 49,152 logits took 0.13 ms against a sort's 4.2 ms.
+    Ties at the nucleus's edge, and masses within a rounding of top_p, may fall the
+    other way than in the sort (whose order among ties is unspecified anyway)."""
+    B, V = logits.shape
+    K = max(TOP_P_CANDIDATES, max_top_k)
+    if K >= V or logits.device.type != "cpu":  # on a GPU the check below would sync
+        return None
+    if top_k is not None and max_top_k > K:
+        return None  # some row keeps more than the candidates; not worth a second topk
+    vals, idx = logits.topk(K, dim=-1)  # (B, K), descending
+    if top_k is None:
+        kth = None
+        lse = logits.logsumexp(dim=-1, keepdim=True)  # (B, 1): the whole row survives
+    else:
+        k = torch.where(top_k > 0, top_k, V)  # (B,); rows without top-k keep V
+        on = (top_k > 0)[:, None]
+        kth = vals.gather(1, (k.clamp(max=K) - 1)[:, None])  # (B, 1): the k-th largest
+        kth = torch.where(on, kth, torch.full_like(kth, NEG_INF))
+        lse = torch.where(logits >= kth, logits, NEG_INF).logsumexp(dim=-1, keepdim=True)
+    p = torch.exp(vals - lse)  # (B, K): each candidate's share of the survivors' mass
+    if kth is not None:
+        p = torch.where(vals >= kth, p, torch.zeros_like(p))
+    above = p.cumsum(dim=-1) - p  # mass of the candidates ranked above each one
+    decided = p.sum(dim=-1, keepdim=True) >= top_p[:, None]
+    if kth is not None:
+        decided = decided | (vals[:, -1:] < kth)
+    if not bool(decided.all()):
+        return None
+    keep = above < top_p[:, None]
+    if kth is not None:
+        keep = keep & (vals >= kth)
+    out = torch.full_like(logits, NEG_INF)
+    return out.scatter_(1, idx, torch.where(keep, vals, torch.full_like(vals, NEG_INF)))
 
 
 def race_scores(
@@ -513,7 +573,7 @@ class Sampler:
         if meta.min_p is not None:
             logits = apply_min_p(logits, meta.min_p)
         if meta.top_p is not None:
-            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k)
         elif meta.top_k is not None:
             logits = apply_top_k_only(logits, meta.top_k, meta.max_top_k)
         random = random_sample(logits, meta.generators, meta.low_temperature)
