@@ -154,29 +154,65 @@ def test_sampled_ids_use_top_k_only_path_and_sort_path_alike():
 
 
 def test_top_p_among_the_largest_logits_equals_the_sort(monkeypatch):
-    """Top-p (with or without top-k) first looks for each row's nucleus among its
-    TOP_P_CANDIDATES largest logits (a topk, no sort of the row): where that
-    decides every row, the kept logits are those of the sort, bit for bit; where a
-    row's nucleus reaches past them (a flat row), it falls back to the sort."""
+    """Top-p (with or without top-k) on the CPU first decides each row among its
+    TOP_P_CANDIDATES largest logits (a topk, no sort of the row): the kept logits
+    are those of the sort, bit for bit. Only the rows it cannot decide there (a
+    flat row: its nucleus reaches past them) are sorted, whatever the rest of the
+    batch; a row with top-p off (1.0, as a greedy row has) keeps its top-k."""
     from pagedllm.sampling import sampler as sampler_mod
 
+    sorted_rows = []
+    real_sort = sampler_mod._top_k_top_p_sorted
+
+    def counting(logits, *a):
+        sorted_rows.append(logits.shape[0])
+        return real_sort(logits, *a)
+
+    monkeypatch.setattr(sampler_mod, "_top_k_top_p_sorted", counting)
     g = torch.Generator().manual_seed(5)
     B, V = 12, 2000
     logits = torch.randn(B, V, generator=g)
     head = torch.randint(0, V, (B, 40), generator=g)
     logits.scatter_add_(1, head, torch.rand(B, 40, generator=g) * 6 + 4)  # a peaked head
-    top_p = torch.tensor([0.5, 0.9, 0.99] * 4)
+    logits[3] *= 0.05  # a flat row: thousands of ids in its nucleus
+    top_p = torch.tensor([0.5, 0.9, 0.99, 0.9, 1.0, 0.9] * 2)
     for ks in ([0] * B, [0, 5, 40, 0, 300, 7] * 2):
         top_k = torch.tensor(ks) if any(ks) else None
-        fast = sampler_mod._top_p_candidates(logits, top_k, top_p, max(ks))
-        assert fast is not None, ks
-        with monkeypatch.context() as m:
-            m.setattr(sampler_mod, "TOP_P_CANDIDATES", V)  # candidates cover the row: sort
-            sort = sampler_mod.apply_top_k_top_p(logits, top_k, top_p, max(ks))
-        assert torch.equal(fast, sort), ks
-        assert torch.equal(sampler_mod.apply_top_k_top_p(logits, top_k, top_p, max(ks)), sort)
-    flat = torch.randn(B, V, generator=g) * 0.1  # top_p of a flat row: thousands of tokens
-    assert sampler_mod._top_p_candidates(flat, None, top_p, 0) is None
+        sorted_rows.clear()
+        got = sampler_mod.apply_top_k_top_p(logits, top_k, top_p, max(ks))
+        assert sorted_rows == [1], ks  # the flat row alone
+        assert torch.equal(got, real_sort(logits, top_k, top_p)), ks
+        assert torch.equal(got[4], logits[4] if top_k is None else got[4])  # top-p off
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_top_p_candidates_against_the_sort_on_mixed_rows(seed):
+    """Random batches just past TOP_P_CANDIDATES ids and beyond: peaked and flat
+    rows, top-k off, small and above the candidates, top-p 0.5 to 1, some ids -inf
+    (min_tokens, penalties): every row equals the sort's (found by a review: rows
+    with top-p off, and rows without top-k beside rows with it)."""
+    from pagedllm.sampling import sampler as sampler_mod
+
+    g = torch.Generator().manual_seed(seed)
+    V = [257, 300, 1000, 3000][seed % 4]
+    B = 8
+    logits = torch.randn(B, V, generator=g) * (1 + 3 * torch.rand(B, 1, generator=g))
+    head = torch.randint(0, V, (B, 20), generator=g)
+    logits.scatter_add_(1, head, torch.rand(B, 20, generator=g) * 10)
+    logits[torch.rand(B, V, generator=g) < 0.05] = float("-inf")
+    top_p = torch.tensor([0.5, 0.8, 0.9, 0.95, 1.0, 0.99, 0.7, 1.0])
+    ks = torch.tensor([0, 3, 50, 0, 20, 400, 0, 0])[torch.randperm(B, generator=g)]
+    ks = ks.clamp(max=V)  # as SamplingMetadata clamps top_k
+    for top_k in (None, ks):
+        mk = 0 if top_k is None else int(top_k.max())
+        got = sampler_mod.apply_top_k_top_p(logits, top_k, top_p, mk)
+        want = sampler_mod._top_k_top_p_sorted(logits, top_k, top_p)
+        assert torch.equal(got, want), (seed, top_k)
+    # The default max_top_k (0) is read from top_k on the CPU.
+    assert torch.equal(
+        sampler_mod.apply_top_k_top_p(logits, ks, top_p),
+        sampler_mod._top_k_top_p_sorted(logits, ks, top_p),
+    )
 
 
 def test_top_p_among_the_largest_logits_samples_the_exact_distribution():

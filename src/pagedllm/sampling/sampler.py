@@ -43,7 +43,8 @@ same distribution (m is a constant of the row) and the same ids unless two
 scores fall within a float32 rounding of each other.
 
 No host sync: metadata tensors are built from host lists (one copy per field,
-through pinned memory on CUDA) and nothing here calls `.item()` or `.tolist()`.
+through pinned memory on CUDA) and nothing on a GPU's tensors calls `.item()` or
+`.tolist()` (top-p on the CPU reads which rows it decided: no device there).
 The caller syncs once when it reads the sampled ids.
 """
 
@@ -364,14 +365,19 @@ TOP_P_CANDIDATES = 256
 def apply_top_k_top_p(
     logits: Tensor, top_k: Tensor | None, top_p: Tensor | None, max_top_k: int = 0
 ) -> Tensor:
-    """Top-k then top-p. First among each row's largest logits (`_top_p_candidates`:
-    a topk of 256 or `max_top_k`, no sort of the row), which decides every row whose
-    survivors it holds; else one ascending sort of each row (vLLM's reference path).
-    `max_top_k`: the largest top_k of the batch, on the host (0: none)."""
-    if top_p is not None:
-        out = _top_p_candidates(logits, top_k, top_p, max_top_k)
-        if out is not None:
-            return out
+    """Top-k then top-p over the renormalised survivors. On the CPU each row is
+    first decided among its largest logits (`_top_p_candidates`: a topk of 256 or
+    `max_top_k`, no sort of the row); the rows that cannot be decided there, and
+    every row on a GPU, take one ascending sort (vLLM's reference path,
+    `_top_k_top_p_sorted`). `max_top_k`: the largest top_k of the batch, on the
+    host (0: read from `top_k` on the CPU)."""
+    if top_p is not None and logits.device.type == "cpu":
+        return _top_p_candidates(logits, top_k, top_p, max_top_k)
+    return _top_k_top_p_sorted(logits, top_k, top_p)
+
+
+def _top_k_top_p_sorted(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
+    """`apply_top_k_top_p` by one ascending sort of each row."""
     V = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1)  # (B, V) ascending
     if top_k is not None:
@@ -388,48 +394,48 @@ def apply_top_k_top_p(
 
 def _top_p_candidates(
     logits: Tensor, top_k: Tensor | None, top_p: Tensor, max_top_k: int
-) -> Tensor | None:
-    """`apply_top_k_top_p` decided among each row's K largest logits, or None where
-    that cannot decide some row (then the caller sorts). K is TOP_P_CANDIDATES, or
-    max_top_k if larger; None when K covers the row (the sort is as cheap), and on
-    a GPU (whether every row is decided is read on the host: a sync there).
+) -> Tensor:
+    """`apply_top_k_top_p` on the CPU, each row decided among its K largest logits
+    where that can be done, else sorted (K: TOP_P_CANDIDATES, or the largest top_k
+    if larger). A row's result depends on that row alone, never on the batch.
 
-    A token outside the K is dropped by top-k when the K-th largest logit is already
-    below the row's k-th (so are its ties), or by top-p when the K candidates hold at
-    least top_p of the survivors' mass (every outsider has that much above it). On
-    the CPU a topk of 256 over 49,152 logits took 0.13 ms against a sort's 4.2 ms.
-    Ties at the nucleus's edge, and masses within a rounding of top_p, may fall the
-    other way than in the sort (whose order among ties is unspecified anyway)."""
+    A token outside the K is dropped by top-k when the K-th largest logit is
+    already below the row's k-th (so are its ties), or by top-p when the K
+    candidates hold at least top_p of the survivors' mass (every outsider has that
+    much above it). A row with top-p off (1.0: also a greedy row) keeps its top-k
+    survivors. On the CPU a topk of 256 over 49,152 logits took 0.13 ms against a
+    sort's 4.2 ms. Ties at the nucleus's edge, and masses within a rounding of
+    top_p, may fall the other way than in the sort (whose order among ties is
+    unspecified anyway); top-p off keeps tokens whose probability rounds to 0,
+    which the sort drops (they are never drawn)."""
     B, V = logits.shape
+    if top_k is not None and max_top_k <= 0:
+        max_top_k = int(top_k.max())  # the CPU: no device to wait for
     K = max(TOP_P_CANDIDATES, max_top_k)
-    if K >= V or logits.device.type != "cpu":  # on a GPU the check below would sync
-        return None
-    if top_k is not None and max_top_k > K:
-        return None  # some row keeps more than the candidates; not worth a second topk
+    if K >= V:
+        return _top_k_top_p_sorted(logits, top_k, top_p)
     vals, idx = logits.topk(K, dim=-1)  # (B, K), descending
     if top_k is None:
-        kth = None
-        lse = logits.logsumexp(dim=-1, keepdim=True)  # (B, 1): the whole row survives
+        kth = torch.full((B, 1), NEG_INF)
     else:
-        k = torch.where(top_k > 0, top_k, V)  # (B,); rows without top-k keep V
         on = (top_k > 0)[:, None]
-        kth = vals.gather(1, (k.clamp(max=K) - 1)[:, None])  # (B, 1): the k-th largest
+        kth = vals.gather(1, (top_k.clamp(1, K) - 1)[:, None])  # (B, 1): the k-th largest
         kth = torch.where(on, kth, torch.full_like(kth, NEG_INF))
-        lse = torch.where(logits >= kth, logits, NEG_INF).logsumexp(dim=-1, keepdim=True)
-    p = torch.exp(vals - lse)  # (B, K): each candidate's share of the survivors' mass
-    if kth is not None:
-        p = torch.where(vals >= kth, p, torch.zeros_like(p))
+    survivors = torch.where(logits >= kth, logits, NEG_INF)  # top-k (ties kept)
+    lse = survivors.logsumexp(dim=-1, keepdim=True)  # (B, 1)
+    p = torch.where(vals >= kth, torch.exp(vals - lse), torch.zeros_like(vals))
     above = p.cumsum(dim=-1) - p  # mass of the candidates ranked above each one
-    decided = p.sum(dim=-1, keepdim=True) >= top_p[:, None]
-    if kth is not None:
-        decided = decided | (vals[:, -1:] < kth)
-    if not bool(decided.all()):
-        return None
-    keep = above < top_p[:, None]
-    if kth is not None:
-        keep = keep & (vals >= kth)
+    off = (top_p >= 1.0)[:, None]
+    decided = off | (p.sum(dim=-1, keepdim=True) >= top_p[:, None]) | (vals[:, -1:] < kth)
+    keep = (vals >= kth) & (above < top_p[:, None])
     out = torch.full_like(logits, NEG_INF)
-    return out.scatter_(1, idx, torch.where(keep, vals, torch.full_like(vals, NEG_INF)))
+    out.scatter_(1, idx, torch.where(keep, vals, torch.full_like(vals, NEG_INF)))
+    out = torch.where(off, survivors, out)
+    if not bool(decided.all()):  # flat rows: their nucleus may reach past the K
+        rows = (~decided[:, 0]).nonzero()[:, 0]
+        sub_k = None if top_k is None else top_k[rows]
+        out[rows] = _top_k_top_p_sorted(logits[rows], sub_k, top_p[rows])
+    return out
 
 
 def race_scores(
@@ -461,14 +467,17 @@ def race_scores(
 
 
 def _exponential_(q: Tensor, generator: torch.Generator | None = None) -> None:
-    """Fill q with E ~ Exp(1). On the CPU as -log U, U ~ Uniform[0, 1): torch's
-    `exponential_` there took 1.07 ms for 49,152 values (SmolLM2), `uniform_` and
-    a log 0.2 (2 cores, 2026-12-05), about 0.9 ms of each sampled token. (U = 0, one
-    value in 2^24, gives E = inf: that token's score is -inf.) On CUDA
-    `exponential_`, one kernel."""
+    """Fill q with E ~ Exp(1). On the CPU as -log U, U ~ Uniform[0, 1) drawn in
+    float64: torch's `exponential_` there took 1.10 ms for 49,152 values
+    (SmolLM2), this 0.34 (2 cores, 2026-12-05), about 0.8 ms of each sampled
+    token. float64, not float32: float32's U comes in steps of 2^-24, so E would
+    never fall below ~6e-8 and a token 16 or more nats below the best would win
+    too rarely (0.76x as often at 16, never at 20); and U is kept off 0 (E = inf
+    would make a row's only allowed token -inf). On CUDA `exponential_`."""
     if q.device.type == "cpu":
-        q.uniform_(generator=generator)
-        q.log_().neg_()
+        u = torch.empty(q.shape, dtype=torch.float64)
+        u.uniform_(generator=generator)
+        q.copy_(u.clamp_min_(torch.finfo(torch.float64).tiny).log_().neg_())
     else:
         q.exponential_(generator=generator)
 
