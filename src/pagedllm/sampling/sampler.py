@@ -409,6 +409,8 @@ def _top_p_candidates(
     unspecified anyway); top-p off keeps tokens whose probability rounds to 0,
     which the sort drops (they are never drawn)."""
     B, V = logits.shape
+    if B == 0:
+        return _top_k_top_p_sorted(logits, top_k, top_p)
     if top_k is not None and max_top_k <= 0:
         max_top_k = int(top_k.max())  # the CPU: no device to wait for
     K = max(TOP_P_CANDIDATES, max_top_k)
