@@ -4,7 +4,8 @@ which must be a one-line ValueError.
 
 A random model picks uniformly among the allowed tokens, so every free-form
 part of a schema is bounded here (strings by maxLength, a pattern, an enum or
-a format; arrays by maxItems; numbers by their digits' own odds of ending):
+a format, and the time format, whose fraction of a second has no bound, by a
+maxLength too; arrays by maxItems; numbers by their digits' own odds of ending):
 an unbounded string over SmolLM2's 49,152 tokens would need one of the few
 tokens that close it, and a random model almost never picks those. A real
 model ends its strings; the bounds only keep the test to a few hundred tokens.
@@ -158,7 +159,7 @@ SCHEMAS: list[tuple[str, dict]] = [
         },
     ),
     ("date format", {"type": "string", "format": "date"}),
-    ("time format", {"type": "string", "format": "time"}),
+    ("time format", {"type": "string", "format": "time", "maxLength": 20}),
     ("uuid format", {"type": "string", "format": "uuid"}),
     ("email format", {"type": "string", "format": "email", "maxLength": 20}),
     ("multipleOf", {"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 100}),
