@@ -591,24 +591,20 @@ class ModelRunner:
             self._sample(step, logits, meta, done_reqs)
             return step
         continuation = plan.is_continuation  # read first: nothing may raise between draws and try
-        if meta.tokenwise:
-            # The noise and every sampling op but the last are queued now, behind
-            # the forward pass; only the mask and one argmax wait for the fill.
-            self._save_generators(step, done_reqs)
-            try:
-                step.deferred = (self.sampler.scores(logits, meta), constrained, None, done_reqs)
-            except BaseException:
-                self.restore_generators(step)  # the engine never sees this step
-                raise
-        else:
-            step.deferred = (logits, constrained, meta, done_reqs)
-        if continuation:
-            # The matchers have not consumed the tokens `feed` samples (they are
-            # not on the host yet): the engine advances them once they are, while
-            # this forward pass runs, then calls sample_deferred.
-            return step
-        # The forward pass is queued: the masks are made while it runs.
         try:
+            if meta.tokenwise:
+                # The noise and every sampling op but the last are queued now, behind
+                # the forward pass; only the mask and one argmax wait for the fill.
+                self._save_generators(step, done_reqs)
+                step.deferred = (self.sampler.scores(logits, meta), constrained, None, done_reqs)
+            else:
+                step.deferred = (logits, constrained, meta, done_reqs)
+            if continuation:
+                # The matchers have not consumed the tokens `feed` samples (they are
+                # not on the host yet): the engine advances them once they are, while
+                # this forward pass runs, then calls sample_deferred.
+                return step
+            # The forward pass is queued: the masks are made while it runs.
             self._sample_masked(step)
         except BaseException:
             self.restore_generators(step)  # the engine never sees this step

@@ -419,11 +419,12 @@ def _top_p_candidates(
     vals, idx = logits.topk(K, dim=-1)  # (B, K), descending
     if top_k is None:
         kth = torch.full((B, 1), NEG_INF)
+        survivors = logits
     else:
         on = (top_k > 0)[:, None]
         kth = vals.gather(1, (top_k.clamp(1, K) - 1)[:, None])  # (B, 1): the k-th largest
         kth = torch.where(on, kth, torch.full_like(kth, NEG_INF))
-    survivors = torch.where(logits >= kth, logits, NEG_INF)  # top-k (ties kept)
+        survivors = torch.where(logits >= kth, logits, NEG_INF)  # top-k (ties kept)
     lse = survivors.logsumexp(dim=-1, keepdim=True)  # (B, 1)
     p = torch.where(vals >= kth, torch.exp(vals - lse), torch.zeros_like(vals))
     above = p.cumsum(dim=-1) - p  # mass of the candidates ranked above each one

@@ -18,8 +18,9 @@ never a torn state. Building a matcher and filling a mask release the GIL.
 So: compile on any thread (the cache serialises nothing but its dictionary);
 use each `Matcher` from one thread at a time (the stepping thread: fill while
 the GPU runs, advance after sampling). llguidance's own threads fill the rows
-of a batch, and never call our tokenizer (`_prime_forced_tokens`). The compiled template of a constraint
-is never advanced, only copied (`LLMatcher.deep_copy`, about a microsecond).
+of a batch, and never call our tokenizer (`_prime_forced_tokens`). The
+compiled template of a constraint is never advanced, only copied
+(`LLMatcher.deep_copy`, about a microsecond).
 A copy shares its template's lexer, behind a lock, so a constraint keeps one
 independent template per filling thread (`CompiledConstraint`).
 """
